@@ -1,0 +1,170 @@
+#include "algorithms/collectives.h"
+
+#include <cstring>
+
+#include "algorithms/schedule.h"
+#include "common/check.h"
+
+namespace pyddp {
+namespace algorithms {
+namespace {
+
+using schedule::Range;
+
+char* at(void* base, size_t elem, size_t elemSize) {
+  return static_cast<char*>(base) + elem * elemSize;
+}
+const char* at(const void* base, size_t elem, size_t elemSize) {
+  return static_cast<const char*>(base) + elem * elemSize;
+}
+
+size_t pieceElems(RingLink& link, size_t elemSize) {
+  return link.pieceBytes() / elemSize;
+}
+
+} // namespace
+
+void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
+                   const void* in, void* out, size_t count) {
+  RingLink& link = c.transport.ring();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  const size_t pe = pieceElems(link, es);
+  // Piece p of block b: where it starts in the tensor and how long it is.
+  auto slice = [&](int b, size_t p) {
+    const Range blk = schedule::balancedBlock(count, n, b);
+    const Range pc = schedule::piece(blk.count, pe, p);
+    return Range{blk.begin + pc.begin, pc.count};
+  };
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  if (n == 1) {
+    if (out != in) std::memcpy(out, in, count * es);  // AVG over one rank is x / 1 = x
+    return;
+  }
+  const size_t pieces = schedule::numPieces(schedule::balancedBlock(count, n, 0).count, pe);
+  for (size_t p = 0; p < pieces; ++p) {
+    // reduce phase, step 0: send my own block
+    Range s = slice(schedule::sendBlock(r, 0, n, 0), p);
+    if (s.count) link.send(at(in, s.begin, es), s.count * es);
+    // steps 1..n-2: add my share to the partial sum and pass it on
+    for (int step = 0; step < n - 2; ++step) {
+      s = slice(schedule::recvBlock(r, step, n, 0), p);
+      if (s.count) link.recvReduceSend(spec, at(in, s.begin, es), s.count);
+    }
+    // last reduce step: the block is complete; keep it and start gathering
+    s = slice(schedule::recvBlock(r, n - 2, n, 0), p);
+    if (s.count) {
+      link.recvReduceCopySend(spec, at(in, s.begin, es), at(out, s.begin, es), s.count);
+    }
+    // gather phase: store each finished block and pass it on
+    for (int step = 0; step < n - 2; ++step) {
+      s = slice(schedule::recvBlock(r, step, n, 1), p);
+      if (s.count) link.recvCopySend(at(out, s.begin, es), s.count * es);
+    }
+    // last gather step: the block that started on my right neighbour
+    s = slice(schedule::recvBlock(r, n - 2, n, 1), p);
+    if (s.count) link.recv(at(out, s.begin, es), s.count * es);
+  }
+}
+
+void directAllReduce(const Call& c, PeerMemory& mem,
+                     const kernels::ReduceSpec& spec, const void* in, void* out,
+                     size_t count) {
+  const size_t bytes = count * elementSize(spec.dtype);
+  PYDDP_CHECK(bytes <= mem.capacityBytes(), "direct all_reduce of ", bytes,
+              " bytes exceeds the staging capacity ", mem.capacityBytes());
+  // stage my contribution where every rank can read it
+  std::memcpy(mem.stagingBuffer(c.desc.seq), in, bytes);
+  // every rank arrived (and so staged) with the same call
+  c.transport.enter(c.desc, c.deadline);
+  // reduce all contributions in rank order: the same bits on every rank
+  std::vector<const void*> src(c.worldSize);
+  for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k, c.desc.seq);
+  kernels::reduceN(spec, out, src.data(), c.worldSize, count);
+}
+
+void ringAllGather(const Call& c, DataType dtype, const void* in,
+                   const std::vector<void*>& outBlocks, size_t blockCount) {
+  RingLink& link = c.transport.ring();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(dtype);
+  const size_t pe = pieceElems(link, es);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  // my own block needs no transport
+  if (outBlocks[r] != in) std::memcpy(outBlocks[r], in, blockCount * es);
+  if (n == 1) return;
+  const size_t pieces = schedule::numPieces(blockCount, pe);
+  for (size_t p = 0; p < pieces; ++p) {
+    const Range pc = schedule::piece(blockCount, pe, p);
+    const size_t bytes = pc.count * es;
+    // step 0: send my block
+    link.send(at(in, pc.begin, es), bytes);
+    // steps 1..n-2: keep and forward my left neighbour's block
+    for (int step = 0; step < n - 2; ++step) {
+      const int b = schedule::recvBlock(r, step, n, 0);
+      link.recvCopySend(at(outBlocks[b], pc.begin, es), bytes);
+    }
+    // last step: the block of my right neighbour
+    const int b = schedule::recvBlock(r, n - 2, n, 0);
+    link.recv(at(outBlocks[b], pc.begin, es), bytes);
+  }
+}
+
+void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
+                       const std::vector<const void*>& inBlocks, void* out,
+                       size_t blockCount) {
+  RingLink& link = c.transport.ring();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  const size_t pe = pieceElems(link, es);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  if (n == 1) {
+    if (out != inBlocks[0]) std::memcpy(out, inBlocks[0], blockCount * es);
+    return;
+  }
+  const size_t pieces = schedule::numPieces(blockCount, pe);
+  for (size_t p = 0; p < pieces; ++p) {
+    const Range pc = schedule::piece(blockCount, pe, p);
+    // step 0: send the block that will end on my left neighbour
+    link.send(at(inBlocks[schedule::sendBlock(r, 0, n, -1)], pc.begin, es), pc.count * es);
+    // steps 1..n-2: add my share to the partial sum and pass it on
+    for (int step = 0; step < n - 2; ++step) {
+      const int b = schedule::recvBlock(r, step, n, -1);
+      link.recvReduceSend(spec, at(inBlocks[b], pc.begin, es), pc.count);
+    }
+    // last step: my own block, complete
+    const int b = schedule::recvBlock(r, n - 2, n, -1);
+    link.recvReduceCopy(spec, at(inBlocks[b], pc.begin, es), at(out, pc.begin, es), pc.count);
+  }
+}
+
+void chainBroadcast(const Call& c, void* buf, size_t bytes, int root) {
+  RingLink& link = c.transport.ring();
+  const int pos = schedule::chainPosition(c.rank, root, c.worldSize);
+  const int last = c.worldSize - 1;
+  const size_t pb = link.pieceBytes();
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  if (c.worldSize == 1) return;
+  for (size_t p = 0; p < schedule::numPieces(bytes, pb); ++p) {
+    const Range pc = schedule::piece(bytes, pb, p);
+    char* piece = static_cast<char*>(buf) + pc.begin;
+    if (pos == 0) {
+      link.send(piece, pc.count);          // the root starts the chain
+    } else if (pos < last) {
+      link.recvCopySend(piece, pc.count);  // middle ranks keep and forward
+    } else {
+      link.recv(piece, pc.count);          // the last rank only keeps
+    }
+  }
+}
+
+void barrier(const Call& c) {
+  c.transport.enter(c.desc, c.deadline);
+}
+
+} // namespace algorithms
+} // namespace pyddp

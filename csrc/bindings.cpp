@@ -1,0 +1,109 @@
+// The only pybind11 file: pyddp._C. It sees backend/ (and, for the
+// _testing submodule, the pure schedule and kernel helpers). Every call
+// that can wait releases the GIL.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "algorithms/schedule.h"
+#include "backend/ring_backend.h"
+#include "common/check.h"
+#include "kernels/cpu.h"
+
+namespace py = pybind11;
+using namespace pyddp;
+
+namespace {
+
+DataType dtypeOf(const at::Tensor& t) {
+  const auto d = dataTypeOf(t.scalar_type());
+  PYDDP_CHECK_TYPE(d.has_value(), "unsupported dtype ", t.scalar_type());
+  return *d;
+}
+
+void bindTesting(py::module_& m) {
+  auto t = m.def_submodule(
+      "_testing", "Pure helpers exposed for unit tests; not a public API.");
+  t.def("balanced_block", [](size_t count, int n, int b) {
+    const auto r = schedule::balancedBlock(count, n, b);
+    return std::make_pair(r.begin, r.count);
+  });
+  t.def("send_block", &schedule::sendBlock);
+  t.def("recv_block", &schedule::recvBlock);
+  t.def("piece", [](size_t count, size_t pieceElems, size_t p) {
+    const auto r = schedule::piece(count, pieceElems, p);
+    return std::make_pair(r.begin, r.count);
+  });
+  t.def("num_pieces", &schedule::numPieces);
+  t.def("chain_position", &schedule::chainPosition);
+  // The CPU kernels over contiguous tensors of one dtype.
+  t.def("reduce2", [](RedOp op, int worldSize, bool finish, at::Tensor a, at::Tensor b) {
+    auto out = at::empty_like(a);
+    kernels::reduce2({dtypeOf(a), op, worldSize}, finish, out.data_ptr(),
+                     a.data_ptr(), b.data_ptr(), a.numel());
+    return out;
+  });
+  t.def("reduce2_dual", [](RedOp op, int worldSize, at::Tensor a, at::Tensor b) {
+    auto out0 = at::empty_like(a), out1 = at::empty_like(a);
+    kernels::reduce2Dual({dtypeOf(a), op, worldSize}, out0.data_ptr(),
+                         out1.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel());
+    return std::make_pair(out0, out1);
+  });
+  t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
+    auto out = at::empty_like(srcs.at(0));
+    std::vector<const void*> ptrs;
+    for (auto& s : srcs) ptrs.push_back(s.data_ptr());
+    kernels::reduceN({dtypeOf(srcs[0]), op, worldSize}, out.data_ptr(), ptrs.data(),
+                     static_cast<int>(ptrs.size()), out.numel());
+    return out;
+  });
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
+
+  py::enum_<RedOp>(m, "RedOp")
+      .value("SUM", RedOp::Sum)
+      .value("AVG", RedOp::Avg)
+      .value("PRODUCT", RedOp::Product)
+      .value("MIN", RedOp::Min)
+      .value("MAX", RedOp::Max);
+
+  py::enum_<Algo>(m, "Algo")
+      .value("AUTO", Algo::Auto)
+      .value("RING", Algo::Ring)
+      .value("DIRECT", Algo::Direct);
+
+  py::class_<RingOptions>(m, "RingOptions")
+      .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
+      .def_readwrite("slot_bytes", &RingOptions::slotBytes)
+      .def_readwrite("num_slots", &RingOptions::numSlots)
+      .def_readwrite("direct_max_bytes", &RingOptions::directMaxBytes)
+      .def_readwrite("algo", &RingOptions::algo)
+      .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
+      .def("validate", &RingOptions::validate);
+
+  m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
+
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  py::class_<RingBackend, c10d::Backend, c10::intrusive_ptr<RingBackend>>(m, "RingBackend")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), release)
+      .def("all_reduce", &RingBackend::allReduce, py::arg("tensor"), py::arg("op"),
+           py::arg("async_op"), release)
+      .def("all_gather_single", &RingBackend::allGatherSingle, py::arg("output"),
+           py::arg("input"), py::arg("async_op"), release)
+      .def("all_gather", &RingBackend::allGatherList, py::arg("tensor_list"),
+           py::arg("tensor"), py::arg("async_op"), release)
+      .def("broadcast", &RingBackend::broadcastFrom, py::arg("tensor"), py::arg("src"),
+           py::arg("async_op"), release)
+      .def("reduce_scatter_single", &RingBackend::reduceScatterSingle, py::arg("output"),
+           py::arg("input"), py::arg("op"), py::arg("async_op"), release)
+      .def("barrier", &RingBackend::barrierAll, py::arg("async_op"), release)
+      .def("shutdown", &RingBackend::shutdown, release)
+      .def_property_readonly("options", &RingBackend::options);
+
+  bindTesting(m);
+}

@@ -1,0 +1,18 @@
+// Error reporting for pyddp's C++ core: every check throws (c10::Error and its
+// typed subclasses, which torch's bindings turn into Python exceptions); the
+// library never exits, aborts or prints.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+// A broken invariant inside pyddp or a failed system call: RuntimeError.
+#define PYDDP_CHECK(cond, ...) TORCH_CHECK(cond, "pyddp: ", __VA_ARGS__)
+// A bad argument from the caller: ValueError.
+#define PYDDP_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "pyddp: ", __VA_ARGS__)
+// A tensor or option of a kind pyddp does not support: TypeError.
+#define PYDDP_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, "pyddp: ", __VA_ARGS__)
+// A peer that did not arrive, died, or disagreed: torch.distributed.DistBackendError.
+#define PYDDP_CHECK_COMM(cond, ...)                                   \
+  if (C10_UNLIKELY_OR_CONST(!(cond))) {                               \
+    C10_THROW_ERROR(DistBackendError, ::c10::str("pyddp: ", __VA_ARGS__)); \
+  }

@@ -1,0 +1,95 @@
+#include "common/config.h"
+
+#include <cstdlib>
+
+#include "common/check.h"
+
+namespace pyddp {
+namespace {
+
+constexpr const char* kSlotBytesVar = "PYDDP_SLOT_BYTES";
+constexpr const char* kNumSlotsVar = "PYDDP_NUM_SLOTS";
+constexpr const char* kDirectMaxVar = "PYDDP_DIRECT_MAX_BYTES";
+constexpr const char* kAlgoVar = "PYDDP_ALGO";
+constexpr const char* kDebugVar = "PYDDP_DEBUG";
+constexpr const char* kAllVars[] = {
+    kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kAlgoVar, kDebugVar};
+
+std::string envOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : fallback;
+}
+
+long long parseInt(const char* name, const std::string& text) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  PYDDP_CHECK_VALUE(
+      used == text.size() && used > 0, name, "='", text,
+      "' is not an integer");
+  return v;
+}
+
+Algo parseAlgo(const std::string& text) {
+  if (text == "auto") return Algo::Auto;
+  if (text == "ring") return Algo::Ring;
+  if (text == "direct") return Algo::Direct;
+  PYDDP_CHECK_VALUE(
+      false, kAlgoVar, "='", text, "' is not one of auto, ring, direct");
+  return Algo::Auto;
+}
+
+} // namespace
+
+RingOptions RingOptions::fromEnv() {
+  RingOptions o;
+  o.slotBytes = static_cast<size_t>(parseInt(
+      kSlotBytesVar, envOr(kSlotBytesVar, std::to_string(kDefaultSlotBytes))));
+  o.numSlots = static_cast<int>(parseInt(
+      kNumSlotsVar, envOr(kNumSlotsVar, std::to_string(kDefaultNumSlots))));
+  o.directMaxBytes = static_cast<size_t>(parseInt(
+      kDirectMaxVar,
+      envOr(kDirectMaxVar, std::to_string(kDefaultDirectMaxBytes))));
+  o.algo = parseAlgo(envOr(kAlgoVar, "auto"));
+  o.timeoutMs = kDefaultTimeoutMs;
+  o.validate();
+  return o;
+}
+
+void RingOptions::validate() const {
+  // Slots hold whole elements of every dtype and start on cache lines.
+  PYDDP_CHECK_VALUE(
+      slotBytes >= 64 && slotBytes % 64 == 0 && slotBytes <= (1u << 30),
+      "slot_bytes (", kSlotBytesVar, ") must be a multiple of 64 in [64, 1 GiB], got ",
+      slotBytes);
+  PYDDP_CHECK_VALUE(
+      numSlots >= 2 && numSlots <= 1024, "num_slots (", kNumSlotsVar,
+      ") must be in [2, 1024], got ", numSlots);
+  PYDDP_CHECK_VALUE(
+      directMaxBytes <= (1u << 30), "direct_max_bytes (", kDirectMaxVar,
+      ") must be at most 1 GiB, got ", directMaxBytes);
+  PYDDP_CHECK_VALUE(timeoutMs > 0, "timeout must be positive, got ", timeoutMs, " ms");
+}
+
+std::map<std::string, std::string> settings() {
+  std::map<std::string, std::string> out;
+  for (const char* name : kAllVars) {
+    out[name] = envOr(name, "");
+  }
+  return out;
+}
+
+const char* toString(Algo a) {
+  switch (a) {
+    case Algo::Auto: return "auto";
+    case Algo::Ring: return "ring";
+    case Algo::Direct: return "direct";
+  }
+  return "unknown";
+}
+
+} // namespace pyddp

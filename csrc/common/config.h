@@ -1,0 +1,48 @@
+// The one place where PYDDP_* environment settings are read. Every setting
+// is listed in the README; Python reads them through pyddp._C.settings().
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+
+namespace pyddp {
+
+enum class Algo { Auto, Ring, Direct };
+
+// RingOptions of one process group. Defaults come from the environment; Python
+// may override fields (pyddp.RingOptions) before creating the group. All
+// ranks must use the same geometry (slotBytes, numSlots, directMaxBytes):
+// connecting checks it.
+struct RingOptions {
+  // Bytes per ring slot: a block moves through the ring in pieces of at most
+  // this size, so copying a piece overlaps with reducing the previous one.
+  size_t slotBytes;
+  // Slots per ring link. The fused ring verbs hold one received piece while
+  // claiming a send slot, so fewer than 2 slots deadlock the ring.
+  int numSlots;
+  // All-reduces up to this many bytes use the direct (one-shot) algorithm.
+  size_t directMaxBytes;
+  Algo algo;
+  // Milliseconds every wait may take before it fails naming the missing rank.
+  int64_t timeoutMs;
+
+  static RingOptions fromEnv();
+  void validate() const;  // throws ValueError naming the offending setting
+};
+
+// Tuned on a 2-core x86-64 development machine with
+// `python -m pyddp.bench --sweep-slots` (see benchmarks/README.md): larger
+// slots stopped helping at 256 KiB, smaller ones cost up to 30% at 64 MiB.
+constexpr size_t kDefaultSlotBytes = 256 * 1024;
+constexpr int kDefaultNumSlots = 8;
+// Same bench: direct beats ring up to 64 KiB for 2 ranks.
+constexpr size_t kDefaultDirectMaxBytes = 64 * 1024;
+constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
+
+// Every PYDDP_* variable with its current value ("" when unset).
+std::map<std::string, std::string> settings();
+
+const char* toString(Algo a);
+
+} // namespace pyddp

@@ -1,0 +1,104 @@
+// Vocabulary shared by every layer: element types, reduction operators and
+// collective kinds, as small enums that cross process boundaries (they are
+// part of the descriptor each rank publishes per collective).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyddp {
+
+enum class DataType : int32_t {
+  Float32 = 0,
+  Float64 = 1,
+  Float16 = 2,
+  BFloat16 = 3,
+  Int8 = 4,
+  UInt8 = 5,
+  Int32 = 6,
+  Int64 = 7,
+};
+
+enum class RedOp : int32_t { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4 };
+
+enum class CollectiveKind : int32_t {
+  AllReduce = 0,
+  AllGather = 1,
+  Broadcast = 2,
+  ReduceScatter = 3,
+  Barrier = 4,
+};
+
+inline size_t elementSize(DataType t) {
+  switch (t) {
+    case DataType::Float64:
+    case DataType::Int64:
+      return 8;
+    case DataType::Float32:
+    case DataType::Int32:
+      return 4;
+    case DataType::Float16:
+    case DataType::BFloat16:
+      return 2;
+    case DataType::Int8:
+    case DataType::UInt8:
+      return 1;
+  }
+  return 0;
+}
+
+inline bool isFloating(DataType t) {
+  return t == DataType::Float32 || t == DataType::Float64 ||
+      t == DataType::Float16 || t == DataType::BFloat16;
+}
+
+inline const char* toString(DataType t) {
+  switch (t) {
+    case DataType::Float32: return "float32";
+    case DataType::Float64: return "float64";
+    case DataType::Float16: return "float16";
+    case DataType::BFloat16: return "bfloat16";
+    case DataType::Int8: return "int8";
+    case DataType::UInt8: return "uint8";
+    case DataType::Int32: return "int32";
+    case DataType::Int64: return "int64";
+  }
+  return "unknown";
+}
+
+inline const char* toString(RedOp op) {
+  switch (op) {
+    case RedOp::Sum: return "SUM";
+    case RedOp::Avg: return "AVG";
+    case RedOp::Product: return "PRODUCT";
+    case RedOp::Min: return "MIN";
+    case RedOp::Max: return "MAX";
+  }
+  return "unknown";
+}
+
+inline const char* toString(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllReduce: return "all_reduce";
+    case CollectiveKind::AllGather: return "all_gather";
+    case CollectiveKind::Broadcast: return "broadcast";
+    case CollectiveKind::ReduceScatter: return "reduce_scatter";
+    case CollectiveKind::Barrier: return "barrier";
+  }
+  return "unknown";
+}
+
+// What every rank must agree on for one collective. Published by each rank
+// on entry and compared, so that mismatched calls fail on every rank instead
+// of hanging or producing garbage.
+struct CollectiveDesc {
+  uint64_t seq = 0;    // 1, 2, ... in call order; identical on all ranks
+  uint64_t count = 0;  // elements per rank-sized block (see the collective)
+  CollectiveKind kind = CollectiveKind::Barrier;
+  DataType dtype = DataType::Float32;
+  RedOp op = RedOp::Sum;
+  int32_t root = -1;   // broadcast source; -1 otherwise
+  int32_t algo = 0;    // which algorithm runs it: ranks must pick the same
+};
+
+} // namespace pyddp

@@ -1,0 +1,404 @@
+#include "transport/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "common/check.h"
+
+namespace pyddp {
+namespace shm {
+namespace {
+
+// Waiting policy. A collective between ranks that are all inside it takes
+// microseconds, so a waiter first spins. A peer that is still computing
+// (DDP's backward) or more ranks than cores (tests run 4 ranks on 2 cores)
+// needs the CPU handed over: yield, and after that sleep.
+constexpr auto kSpinPhase = std::chrono::microseconds(20);
+constexpr auto kYieldPhase = std::chrono::milliseconds(2);
+constexpr auto kSleepQuantum = std::chrono::microseconds(50);
+// How often a waiter looks for dead peers and its deadline: reading
+// /proc/<pid>/stat of every peer costs microseconds.
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(20);
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+size_t roundUp(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
+std::string readFirstLine(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// Ranks may share shared memory only on the same machine and boot.
+std::string makeHostId() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::string(host) + "/" +
+      readFirstLine("/proc/sys/kernel/random/boot_id");
+}
+
+std::string randomSegmentName() {
+  std::random_device rd;
+  std::ostringstream name;
+  name << "/pyddp-" << std::hex;
+  for (int i = 0; i < 4; ++i) name << rd();
+  return name.str();
+}
+
+std::string errnoText() {
+  return std::strerror(errno);
+}
+
+struct Blob {
+  std::string segment;
+  std::string hostId;
+  size_t bytes = 0;
+};
+
+std::string encodeBlob(const Blob& b) {
+  return b.segment + "\n" + b.hostId + "\n" + std::to_string(b.bytes);
+}
+
+Blob decodeBlob(const std::string& text) {
+  std::istringstream in(text);
+  Blob b;
+  std::string bytes;
+  std::getline(in, b.segment);
+  std::getline(in, b.hostId);
+  std::getline(in, bytes);
+  PYDDP_CHECK(!b.segment.empty() && !bytes.empty(),
+              "malformed shm bootstrap blob '", text, "'");
+  b.bytes = std::stoull(bytes);
+  return b;
+}
+
+std::string describe(const WireDescriptor& d) {
+  std::ostringstream s;
+  s << toString(static_cast<CollectiveKind>(d.kind)) << "(count="
+    << d.count << ", dtype=" << toString(static_cast<DataType>(d.dtype));
+  if (d.kind == static_cast<int32_t>(CollectiveKind::AllReduce) ||
+      d.kind == static_cast<int32_t>(CollectiveKind::ReduceScatter)) {
+    s << ", op=" << toString(static_cast<RedOp>(d.op));
+  }
+  if (d.root >= 0) s << ", src=" << d.root;
+  s << ", algo=" << toString(static_cast<Algo>(d.algo)) << ")";
+  return s.str();
+}
+
+bool sameCall(const WireDescriptor& a, const WireDescriptor& b) {
+  return a.seq == b.seq && a.count == b.count && a.kind == b.kind &&
+      a.dtype == b.dtype && a.op == b.op && a.root == b.root && a.algo == b.algo;
+}
+
+} // namespace
+
+ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
+    : rank_(rank),
+      worldSize_(worldSize),
+      slotBytes_(options.slotBytes),
+      numSlots_(options.numSlots),
+      directBytes_(roundUp(options.directMaxBytes, kCacheLine)),
+      timeoutMs_(options.timeoutMs),
+      hostId_(makeHostId()),
+      segments_(worldSize) {
+  options.validate();
+}
+
+ShmTransport::~ShmTransport() {
+  if (linked_) shm_unlink(ownName_.c_str());
+  for (auto& s : segments_) {
+    if (s.base) munmap(s.base, s.bytes);
+  }
+}
+
+ShmTransport::Segment ShmTransport::mapSegment(void* base, size_t bytes) const {
+  Segment s;
+  s.base = base;
+  s.bytes = bytes;
+  s.header = static_cast<SegmentHeader*>(base);
+  s.slots = static_cast<char*>(base) + sizeof(SegmentHeader);
+  s.staging = s.slots + static_cast<size_t>(numSlots_) * slotBytes_;
+  return s;
+}
+
+std::string ShmTransport::setup() {
+  const size_t bytes = sizeof(SegmentHeader) +
+      static_cast<size_t>(numSlots_) * slotBytes_ + 2 * directBytes_;
+  int fd = -1;
+  // A collision of 128 random bits means another creator; pick again.
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    ownName_ = randomSegmentName();
+    fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    PYDDP_CHECK(fd >= 0 || errno == EEXIST, "rank ", rank_,
+                ": shm_open(", ownName_, ") failed: ", errnoText());
+  }
+  PYDDP_CHECK(fd >= 0, "rank ", rank_, ": could not create a unique shm segment");
+  linked_ = true;
+  const bool sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+  const int sizeErrno = errno;
+  void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                     : MAP_FAILED;
+  const int mapErrno = errno;
+  close(fd);
+  PYDDP_CHECK(sized, "rank ", rank_, ": sizing shm segment to ", bytes,
+              " bytes failed: ", std::strerror(sizeErrno),
+              " (is /dev/shm large enough? lower PYDDP_SLOT_BYTES or PYDDP_NUM_SLOTS)");
+  PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of shm segment failed: ",
+              std::strerror(mapErrno));
+
+  Segment& own = segments_[rank_] = mapSegment(base, bytes);
+  auto* h = new (base) SegmentHeader{};
+  h->magic = kMagic;
+  h->layoutVersion = kLayoutVersion;
+  h->rank = rank_;
+  h->pid = static_cast<int32_t>(getpid());
+  h->numSlots = numSlots_;
+  h->slotBytes = slotBytes_;
+  h->directBytes = directBytes_;
+  own.pid = h->pid;
+  own.pidVisible = true;
+  return encodeBlob(Blob{ownName_, hostId_, bytes});
+}
+
+std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const {
+  const Blob b = decodeBlob(blob);
+  if (b.hostId != hostId_) {
+    return "rank " + std::to_string(peer) + " runs on another host (" + b.hostId +
+        ", this is " + hostId_ + ")";
+  }
+  return "";
+}
+
+void ShmTransport::connect(const std::vector<std::string>& blobs) {
+  PYDDP_CHECK(static_cast<int>(blobs.size()) == worldSize_, "expected ",
+              worldSize_, " bootstrap blobs, got ", blobs.size());
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer == rank_) continue;
+    const std::string why = whyNotConnect(peer, blobs[peer]);
+    PYDDP_CHECK(why.empty(), "rank ", rank_, ": shm transport cannot reach ", why);
+    const Blob b = decodeBlob(blobs[peer]);
+    const int fd = shm_open(b.segment.c_str(), O_RDWR, 0);
+    PYDDP_CHECK(fd >= 0, "rank ", rank_, ": cannot open rank ", peer,
+                "'s shm segment ", b.segment, ": ", errnoText(),
+                " (do the ranks share /dev/shm?)");
+    void* base = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int mapErrno = errno;
+    close(fd);
+    PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of rank ", peer,
+                "'s shm segment failed: ", std::strerror(mapErrno));
+    Segment& s = segments_[peer] = mapSegment(base, b.bytes);
+    const SegmentHeader& h = *s.header;
+    PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion && h.rank == peer,
+                "rank ", rank_, ": rank ", peer,
+                "'s shm segment has an unexpected layout (different pyddp versions?)");
+    PYDDP_CHECK_VALUE(
+        h.slotBytes == slotBytes_ && h.numSlots == numSlots_ &&
+            h.directBytes == directBytes_,
+        "rank ", rank_, " and rank ", peer,
+        " use different shm geometry (slot_bytes ", slotBytes_, " vs ", h.slotBytes,
+        ", num_slots ", numSlots_, " vs ", h.numSlots, ", direct_max_bytes ",
+        directBytes_, " vs ", h.directBytes,
+        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
+    s.pid = h.pid;
+    s.pidVisible = access(("/proc/" + std::to_string(h.pid)).c_str(), F_OK) == 0;
+  }
+}
+
+void ShmTransport::connected() {
+  if (linked_) {
+    shm_unlink(ownName_.c_str());
+    linked_ = false;
+  }
+}
+
+bool ShmTransport::peerAlive(int rank) const {
+  const Segment& s = segments_[rank];
+  if (!s.pidVisible) return true;
+  std::ifstream stat("/proc/" + std::to_string(s.pid) + "/stat");
+  if (!stat) return false;
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold ')').
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return true;
+  const char state = text[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+void ShmTransport::failIfStuck(int peer, Clock::time_point now) const {
+  const std::string call = std::string(toString(current_.kind)) + " #" +
+      std::to_string(current_.seq);
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k != rank_ && !peerAlive(k)) {
+      PYDDP_CHECK_COMM(false, "rank ", k, " (pid ", segments_[k].pid,
+                       ") exited; rank ", rank_, " was waiting in ", call);
+    }
+  }
+  if (now < deadline_) return;
+  std::vector<int> missing;
+  for (int k = 0; k < worldSize_; ++k) {
+    if (header(k).arrived.value.load(std::memory_order_acquire) < current_.seq) {
+      missing.push_back(k);
+    }
+  }
+  std::ostringstream who;
+  for (size_t i = 0; i < missing.size(); ++i) who << (i ? ", " : "") << missing[i];
+  PYDDP_CHECK_COMM(missing.empty(), "rank", (missing.size() > 1 ? "s " : " "),
+                   who.str(), " did not arrive at ", call, " within the timeout of ",
+                   timeoutMs_, " ms (rank ", rank_, " waited)");
+  PYDDP_CHECK_COMM(false, call, " timed out after ", timeoutMs_, " ms on rank ",
+                   rank_, " waiting for rank ", peer,
+                   " (every rank entered the collective)");
+}
+
+template <typename Ready>
+void ShmTransport::waitFor(int peer, Ready&& ready) {
+  if (ready()) return;
+  const auto start = Clock::now();
+  auto now = start;
+  auto nextCheck = start + kLivenessPeriod;
+  for (uint32_t i = 1; !ready(); ++i) {
+    const auto waited = now - start;
+    if (waited < kSpinPhase) {
+      cpuRelax();
+    } else if (waited < kYieldPhase) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kSleepQuantum);
+    }
+    // Reading the clock costs tens of cycles: do it every few spins.
+    if (waited >= kSpinPhase || (i & 63) == 0) now = Clock::now();
+    if (now >= nextCheck) {
+      failIfStuck(peer, now);
+      nextCheck = now + kLivenessPeriod;
+    }
+  }
+}
+
+void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
+  current_ = desc;
+  deadline_ = deadline;
+  const WireDescriptor mine{desc.seq, desc.count, static_cast<int32_t>(desc.kind),
+                            static_cast<int32_t>(desc.dtype),
+                            static_cast<int32_t>(desc.op), desc.root, desc.algo};
+  SegmentHeader& own = *segments_[rank_].header;
+  own.desc[desc.seq % kDescriptorRing] = mine;
+  own.arrived.value.store(desc.seq, std::memory_order_release);
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k == rank_) continue;
+    const auto& arrived = header(k).arrived.value;
+    waitFor(k, [&] { return arrived.load(std::memory_order_acquire) >= desc.seq; });
+  }
+  // Every rank compares every descriptor, so a mismatch fails on all ranks.
+  for (int k = 0; k < worldSize_; ++k) {
+    const WireDescriptor& theirs = header(k).desc[desc.seq % kDescriptorRing];
+    PYDDP_CHECK_COMM(sameCall(mine, theirs), "collective #", desc.seq,
+                     " differs between ranks: rank ", rank_, " called ",
+                     describe(mine), " but rank ", k, " called ", describe(theirs),
+                     "; every rank must issue the same collectives in the same order");
+  }
+}
+
+char* ShmTransport::claimSendSlot() {
+  const uint64_t k = sent_;
+  const int right = (rank_ + 1) % worldSize_;
+  if (k >= static_cast<uint64_t>(numSlots_)) {
+    const auto& consumed = header(right).consumed.value;
+    const uint64_t need = k + 1 - numSlots_;
+    waitFor(right, [&] { return consumed.load(std::memory_order_acquire) >= need; });
+  }
+  return segments_[rank_].slots + (k % numSlots_) * slotBytes_;
+}
+
+void ShmTransport::postSend() {
+  ++sent_;
+  segments_[rank_].header->posted.value.store(sent_, std::memory_order_release);
+}
+
+const char* ShmTransport::awaitRecvSlot() {
+  const uint64_t k = received_;
+  const int left = (rank_ + worldSize_ - 1) % worldSize_;
+  const auto& posted = header(left).posted.value;
+  waitFor(left, [&] { return posted.load(std::memory_order_acquire) >= k + 1; });
+  return segments_[left].slots + (k % numSlots_) * slotBytes_;
+}
+
+void ShmTransport::releaseRecv() {
+  ++received_;
+  segments_[rank_].header->consumed.value.store(received_, std::memory_order_release);
+}
+
+void ShmTransport::send(const void* src, size_t bytes) {
+  std::memcpy(claimSendSlot(), src, bytes);
+  postSend();
+}
+
+void ShmTransport::recv(void* dst, size_t bytes) {
+  std::memcpy(dst, awaitRecvSlot(), bytes);
+  releaseRecv();
+}
+
+void ShmTransport::recvCopySend(void* dst, size_t bytes) {
+  const char* in = awaitRecvSlot();
+  // Forward first: the next rank's hop starts while we keep our copy.
+  std::memcpy(claimSendSlot(), in, bytes);
+  postSend();
+  std::memcpy(dst, in, bytes);
+  releaseRecv();
+}
+
+void ShmTransport::recvReduceSend(const kernels::ReduceSpec& spec,
+                                  const void* local, size_t count) {
+  const char* in = awaitRecvSlot();
+  kernels::reduce2(spec, /*finish=*/false, claimSendSlot(), in, local, count);
+  postSend();
+  releaseRecv();
+}
+
+void ShmTransport::recvReduceCopy(const kernels::ReduceSpec& spec,
+                                  const void* local, void* dst, size_t count) {
+  kernels::reduce2(spec, /*finish=*/true, dst, awaitRecvSlot(), local, count);
+  releaseRecv();
+}
+
+void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec,
+                                      const void* local, void* dst, size_t count) {
+  const char* in = awaitRecvSlot();
+  kernels::reduce2Dual(spec, dst, claimSendSlot(), in, local, count);
+  postSend();
+  releaseRecv();
+}
+
+void* ShmTransport::stagingBuffer(uint64_t seq) {
+  return segments_[rank_].staging + (seq % 2) * directBytes_;
+}
+
+const void* ShmTransport::peerBuffer(int rank, uint64_t seq) const {
+  return segments_[rank].staging + (seq % 2) * directBytes_;
+}
+
+} // namespace shm
+} // namespace pyddp

@@ -1,0 +1,168 @@
+// Shared-memory transport: CPU tensors between processes on one host.
+//
+// Each rank creates one POSIX shared-memory segment and maps every peer's.
+// Ownership: a segment's header fields and buffers are written only by the
+// rank that created it (single writer), and read by the others.
+//
+//   [ SegmentHeader | ring slots: numSlots x slotBytes | staging: 2 x directBytes ]
+//
+// Segments are created 0600 under an unguessable name, unlinked as soon as
+// every rank has mapped them (connected()), and unmapped on destruction.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "transport/transport.h"
+
+namespace pyddp {
+namespace shm {
+
+constexpr size_t kCacheLine = 64;
+// Descriptors are kept for the last kDescriptorRing collectives: a rank can
+// be at most one collective ahead of any peer that is still reading its
+// descriptor (every collective starts with a full arrival barrier), so 2
+// would do; 4 leaves room without cost.
+constexpr int kDescriptorRing = 4;
+constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
+constexpr uint32_t kLayoutVersion = 1;
+
+// A monotonically increasing counter on its own cache line, so that the
+// flags of different writers never share a line.
+struct alignas(kCacheLine) Counter {
+  std::atomic<uint64_t> value;
+};
+static_assert(sizeof(Counter) == kCacheLine);
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "cross-process counters must be lock-free (address-free)");
+
+struct alignas(kCacheLine) WireDescriptor {
+  uint64_t seq;
+  uint64_t count;
+  int32_t kind;
+  int32_t dtype;
+  int32_t op;
+  int32_t root;
+  int32_t algo;
+};
+static_assert(sizeof(WireDescriptor) == kCacheLine);
+
+// Synchronisation protocol (all counters start at 0 and only increase):
+//
+// Arrival. To enter collective #seq a rank writes desc[seq % kDescriptorRing]
+//   (and, for direct algorithms, its staging buffer seq % 2), then stores
+//   arrived = seq (release). It proceeds once every peer's arrived >= seq
+//   (acquire), then compares descriptors. Invariant: no rank passes the
+//   arrival of #seq+1 before every rank has left #seq, so a peer's
+//   descriptor and staging buffer for #seq stay untouched while read.
+//
+// Ring link (this rank -> rank+1). Pieces are numbered over the life of the
+//   group. To send piece k the sender waits until the receiver's
+//   consumed >= k + 1 - numSlots (slot k % numSlots is free), writes the
+//   slot, then stores posted = k + 1 (release). To receive piece k the
+//   receiver waits until the sender's posted >= k + 1 (acquire), reads the
+//   slot, then stores consumed = k + 1 (release). Fused verbs hold one
+//   received slot while claiming a send slot; numSlots >= 2 keeps the ring
+//   free of that circular wait.
+struct alignas(kCacheLine) SegmentHeader {
+  // Written once before the segment is published, read-only afterwards.
+  uint64_t magic;
+  uint32_t layoutVersion;
+  int32_t rank;
+  int32_t pid;
+  int32_t numSlots;
+  uint64_t slotBytes;
+  uint64_t directBytes;
+  Counter arrived;   // newest collective this rank entered
+  Counter posted;    // ring pieces this rank has written to its slots
+  Counter consumed;  // ring pieces this rank has read from its left peer
+  WireDescriptor desc[kDescriptorRing];
+};
+static_assert(sizeof(SegmentHeader) % kCacheLine == 0);
+static_assert(offsetof(SegmentHeader, arrived) % kCacheLine == 0);
+
+class ShmTransport final : public Transport, public RingLink, public PeerMemory {
+ public:
+  ShmTransport(int rank, int worldSize, const RingOptions& options);
+  ~ShmTransport() override;
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Transport
+  const char* name() const override { return "shm"; }
+  std::string setup() override;
+  std::string whyNotConnect(int peer, const std::string& blob) const override;
+  void connect(const std::vector<std::string>& blobs) override;
+  void connected() override;
+  void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  RingLink& ring() override { return *this; }
+  PeerMemory* peerMemory() override { return this; }
+
+  // RingLink
+  size_t pieceBytes() const override { return slotBytes_; }
+  void send(const void* src, size_t bytes) override;
+  void recv(void* dst, size_t bytes) override;
+  void recvCopySend(void* dst, size_t bytes) override;
+  void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+                      size_t count) override;
+  void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+                      void* dst, size_t count) override;
+  void recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+                          void* dst, size_t count) override;
+
+  // PeerMemory
+  size_t capacityBytes() const override { return directBytes_; }
+  void* stagingBuffer(uint64_t seq) override;
+  const void* peerBuffer(int rank, uint64_t seq) const override;
+
+ private:
+  struct Segment {
+    void* base = nullptr;
+    size_t bytes = 0;
+    SegmentHeader* header = nullptr;
+    char* slots = nullptr;
+    char* staging = nullptr;
+    int pid = 0;
+    bool pidVisible = false;  // false: liveness cannot be checked (pid namespace)
+  };
+
+  Segment mapSegment(void* base, size_t bytes) const;
+  const SegmentHeader& header(int rank) const { return *segments_[rank].header; }
+
+  // Ring halves of the verbs.
+  char* claimSendSlot();
+  void postSend();
+  const char* awaitRecvSlot();
+  void releaseRecv();
+
+  // Blocks until ready() holds; `peer` is the rank whose progress it needs.
+  template <typename Ready>
+  void waitFor(int peer, Ready&& ready);
+  // Throws if the current collective cannot complete: a peer died or the
+  // deadline passed. The message names the ranks to blame.
+  void failIfStuck(int peer, Clock::time_point now) const;
+  bool peerAlive(int rank) const;
+
+  const int rank_;
+  const int worldSize_;
+  const size_t slotBytes_;
+  const int numSlots_;
+  const size_t directBytes_;
+  const int64_t timeoutMs_;
+  const std::string hostId_;
+
+  std::string ownName_;
+  bool linked_ = false;  // own segment name still exists in /dev/shm
+  std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
+
+  uint64_t sent_ = 0;      // mirrors our posted counter
+  uint64_t received_ = 0;  // mirrors our consumed counter
+  CollectiveDesc current_;
+  Clock::time_point deadline_;
+};
+
+} // namespace shm
+} // namespace pyddp

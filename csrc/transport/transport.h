@@ -1,0 +1,84 @@
+// The transport interface: how bytes move between ranks, without knowing
+// which collective or schedule moves them. Algorithms (algorithms/) are
+// written against RingLink and PeerMemory only; shm implements them today,
+// cuda_ipc and nccl implement the same names.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "common/types.h"
+#include "kernels/cpu.h"
+
+namespace pyddp {
+
+using Clock = std::chrono::steady_clock;
+
+// One direction of the ring: this rank sends to rank+1 and receives from
+// rank-1. Each verb moves one piece (at most pieceBytes()) and returns when
+// this rank's part is done; pieces are matched by order, so both ends must
+// issue the same sequence of pieces (the schedule guarantees it).
+class RingLink {
+ public:
+  virtual ~RingLink() = default;
+  virtual size_t pieceBytes() const = 0;
+
+  // Send `bytes` of src.
+  virtual void send(const void* src, size_t bytes) = 0;
+  // Receive into dst.
+  virtual void recv(void* dst, size_t bytes) = 0;
+  // Receive into dst and forward the same bytes.
+  virtual void recvCopySend(void* dst, size_t bytes) = 0;
+  // Forward received op local (a partial result, not finished).
+  virtual void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+                              size_t count) = 0;
+  // dst = finish(received op local).
+  virtual void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+                              void* dst, size_t count) = 0;
+  // dst = finish(received op local), and forward that result.
+  virtual void recvReduceCopySend(const kernels::ReduceSpec& spec,
+                                  const void* local, void* dst,
+                                  size_t count) = 0;
+};
+
+// Memory of every rank mapped into this process, for direct (one-shot)
+// algorithms. A rank stages its contribution before entering the
+// collective; once every rank has entered, all staged buffers are readable
+// until the next collective is entered.
+class PeerMemory {
+ public:
+  virtual ~PeerMemory() = default;
+  virtual size_t capacityBytes() const = 0;
+  virtual void* stagingBuffer(uint64_t seq) = 0;
+  virtual const void* peerBuffer(int rank, uint64_t seq) const = 0;
+};
+
+// A transport connects this rank to all others in two phases: setup()
+// returns a small blob that the backend all-gathers through the store,
+// connect() maps or opens what the blobs name, and connected() (after every
+// rank has connected) releases what bootstrap needed.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+
+  virtual std::string setup() = 0;
+  // Empty when this rank can reach `peer` through this transport; else why not.
+  virtual std::string whyNotConnect(int peer, const std::string& blob) const = 0;
+  virtual void connect(const std::vector<std::string>& blobs) = 0;
+  virtual void connected() = 0;
+
+  // Start a collective: publish this rank's descriptor, wait until every
+  // rank has entered the same collective (deadline bounds the wait) and
+  // check all descriptors agree. Every later wait of the collective is
+  // bounded by the same deadline.
+  virtual void enter(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
+
+  virtual RingLink& ring() = 0;
+  // nullptr when peers' memory is not mapped into this process.
+  virtual PeerMemory* peerMemory() = 0;
+};
+
+} // namespace pyddp

@@ -1,0 +1,70 @@
+"""pyddp: collective communication for PyTorch.
+
+Ring and direct collectives in C++ over shared memory (CPU tensors, one
+host), with ``torch.distributed``'s names::
+
+    import pyddp
+    pyddp.init_process_group("shm", init_method="env://")
+    pyddp.all_reduce(tensor)              # in place, SUM
+    work = pyddp.all_reduce(tensor, async_op=True)
+    work.wait()
+"""
+
+import logging as _logging
+
+# torch.distributed registers the c10d types (Store, Backend, Work) that
+# pyddp._C builds on; it must be imported first.
+import torch.distributed as _dist  # noqa: F401
+
+from . import _C
+from .process_group import (
+    BACKENDS,
+    ProcessGroup,
+    ReduceOp,
+    RingOptions,
+    Work,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_single,
+    all_reduce,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    get_default_group,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+)
+from .rendezvous import local_rank
+
+_level = _C.settings().get("PYDDP_DEBUG", "")
+if _level:
+    _logging.getLogger("pyddp").setLevel(_level.upper())
+
+__all__ = [
+    "BACKENDS",
+    "ProcessGroup",
+    "ReduceOp",
+    "RingOptions",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "local_rank",
+    "new_group",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+]

@@ -1,0 +1,301 @@
+"""The process group: a typed Python face over the C++ RingBackend.
+
+This is the only module that imports ``pyddp._C``. Names and argument order
+follow ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .rendezvous import rendezvous
+
+logger = logging.getLogger("pyddp")
+
+ReduceOp = dist.ReduceOp
+RingOptions = _C.RingOptions
+
+_SUPPORTED_OPS = {
+    ReduceOp.SUM: _C.RedOp.SUM,
+    ReduceOp.AVG: _C.RedOp.AVG,
+    ReduceOp.PRODUCT: _C.RedOp.PRODUCT,
+    ReduceOp.MIN: _C.RedOp.MIN,
+    ReduceOp.MAX: _C.RedOp.MAX,
+}
+BACKENDS = ("shm",)
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+# Each group gets its own store prefix, so a process can create, destroy and
+# re-create groups on one store.
+_group_ids = itertools.count()
+_default_group: Optional["ProcessGroup"] = None
+
+
+class Work:
+    """Handle of an asynchronous collective (``async_op=True``)."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Blocks until the collective is done; raises its error, if any.
+
+        ``timeout`` bounds this wait only (the group's timeout bounds the
+        collective itself).
+        """
+        if timeout is None:
+            return self._work.wait()
+        return self._work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def exception(self) -> Optional[BaseException]:
+        """The error the collective failed with; None while running or on success."""
+        if not self._work.is_completed() or self._work.is_success():
+            return None
+        try:
+            self._work.wait()
+        except Exception as error:  # the stored failure, returned rather than raised
+            return error
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the list of output tensors."""
+        return self._work.get_future()
+
+    def result(self) -> List[torch.Tensor]:
+        return self._work.result()
+
+
+def _finish(work: dist.Work, async_op: bool) -> Optional[Work]:
+    if async_op:
+        return Work(work)
+    work.wait()
+    return None
+
+
+class ProcessGroup:
+    """A group of ranks that run collectives together (create with init_process_group)."""
+
+    def __init__(self, backend: _C.RingBackend, store: dist.Store, rank: int, world_size: int,
+                 timeout: datetime.timedelta) -> None:
+        self._backend = backend
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self.timeout = timeout
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world_size
+
+    @property
+    def options(self) -> RingOptions:
+        return self._backend.options
+
+    def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
+        # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
+        key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)
+        if key not in _SUPPORTED_OPS:
+            raise TypeError(
+                f"pyddp: rank {self._rank}: {call}: {op} is not supported; "
+                "use ReduceOp.SUM, AVG, PRODUCT, MIN or MAX"
+            )
+        return _SUPPORTED_OPS[key]
+
+    def _tensor(self, t: object, call: str, what: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"pyddp: rank {self._rank}: {call}: {what} must be a torch.Tensor, "
+                f"got {type(t).__name__}"
+            )
+        return t
+
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False
+                   ) -> Optional[Work]:
+        """Reduces ``tensor`` across ranks in place."""
+        t = self._tensor(tensor, "all_reduce", "tensor")
+        return _finish(self._backend.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+                          ) -> Optional[Work]:
+        """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
+        out = self._tensor(output, "all_gather_single", "output")
+        inp = self._tensor(input, "all_gather_single", "input")
+        return _finish(self._backend.all_gather_single(out, inp, async_op), async_op)
+
+    all_gather_into_tensor = all_gather_single
+
+    def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor,
+                   async_op: bool = False) -> Optional[Work]:
+        """``tensor_list[r]`` = rank r's ``tensor``."""
+        if not isinstance(tensor_list, (list, tuple)):
+            raise TypeError(
+                f"pyddp: rank {self._rank}: all_gather: tensor_list must be a list of tensors, "
+                f"got {type(tensor_list).__name__}"
+            )
+        outs = [self._tensor(t, "all_gather", "tensor_list entry") for t in tensor_list]
+        inp = self._tensor(tensor, "all_gather", "tensor")
+        return _finish(self._backend.all_gather(outs, inp, async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
+        """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        t = self._tensor(tensor, "broadcast", "tensor")
+        if not isinstance(src, int) or isinstance(src, bool):
+            raise TypeError(f"pyddp: rank {self._rank}: broadcast: src must be an int, got {src!r}")
+        return _finish(self._backend.broadcast(t, src, async_op), async_op)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                              async_op: bool = False) -> Optional[Work]:
+        """``output`` on rank r = block r of ``input`` reduced across ranks."""
+        out = self._tensor(output, "reduce_scatter_single", "output")
+        inp = self._tensor(input, "reduce_scatter_single", "input")
+        red = self._op(op, "reduce_scatter_single")
+        return _finish(self._backend.reduce_scatter_single(out, inp, red, async_op), async_op)
+
+    reduce_scatter_tensor = reduce_scatter_single
+
+    def barrier(self, async_op: bool = False) -> Optional[Work]:
+        """Returns once every rank has entered the barrier."""
+        return _finish(self._backend.barrier(async_op), async_op)
+
+    def shutdown(self) -> None:
+        """Stops the group's worker; pending collectives fail."""
+        self._backend.shutdown()
+
+
+def init_process_group(
+    backend: str = "shm",
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    store: Optional[dist.Store] = None,
+    options: Optional[RingOptions] = None,
+) -> ProcessGroup:
+    """Joins (and returns) the default process group.
+
+    ``init_method`` is env:// (the default), tcp://host:port or file:///path;
+    or pass a ready ``store`` with ``rank`` and ``world_size``. ``options``
+    overrides the PYDDP_* settings of this group. Every wait of every
+    collective is bounded by ``timeout``.
+    """
+    global _default_group
+    if _default_group is not None:
+        raise RuntimeError("pyddp: the default process group is already initialized; "
+                           "call pyddp.destroy_process_group() first")
+    _default_group = new_group(backend, init_method, rank, world_size, timeout, store, options)
+    return _default_group
+
+
+def new_group(
+    backend: str = "shm",
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    store: Optional[dist.Store] = None,
+    options: Optional[RingOptions] = None,
+) -> ProcessGroup:
+    """Like init_process_group, but returns a group without making it the default."""
+    if backend not in BACKENDS:
+        raise ValueError(f"pyddp: backend {backend!r} is not available; this build has {BACKENDS}")
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"pyddp: timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if store is None:
+        store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, timeout)
+    elif rank is None or world_size is None:
+        raise ValueError("pyddp: a store needs explicit rank and world_size")
+    opts = options if options is not None else RingOptions()
+    opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    opts.validate()
+    prefix = f"pyddp/{next(_group_ids)}"
+    logger.info("rank %d/%d: joining group %s over %s (slot_bytes=%d, num_slots=%d, "
+                "direct_max_bytes=%d, algo=%s)", rank, world_size, prefix, backend,
+                opts.slot_bytes, opts.num_slots, opts.direct_max_bytes, opts.algo)
+    ring = _C.RingBackend(dist.PrefixStore(prefix, store), rank, world_size, opts)
+    return ProcessGroup(ring, store, rank, world_size, timeout)
+
+
+def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
+    """Shuts down ``group`` (default: the default group, which is then uninitialized)."""
+    global _default_group
+    target = group if group is not None else _default_group
+    if target is None:
+        return
+    target.shutdown()
+    if target is _default_group:
+        _default_group = None
+
+
+def is_initialized() -> bool:
+    return _default_group is not None
+
+
+def _group(group: Optional[ProcessGroup], call: str) -> ProcessGroup:
+    if group is not None:
+        return group
+    if _default_group is None:
+        raise RuntimeError(f"pyddp.{call}: the default process group is not initialized; "
+                           "call pyddp.init_process_group() first")
+    return _default_group
+
+
+def get_default_group() -> ProcessGroup:
+    return _group(None, "get_default_group")
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    return _group(group, "get_rank").rank()
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    return _group(group, "get_world_size").size()
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
+               async_op: bool = False) -> Optional[Work]:
+    return _group(group, "all_reduce").all_reduce(tensor, op, async_op)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor,
+                      group: Optional[ProcessGroup] = None, async_op: bool = False
+                      ) -> Optional[Work]:
+    return _group(group, "all_gather_single").all_gather_single(output, input, async_op)
+
+
+all_gather_into_tensor = all_gather_single
+
+
+def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor,
+               group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    return _group(group, "all_gather").all_gather(tensor_list, tensor, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Optional[ProcessGroup] = None,
+              async_op: bool = False) -> Optional[Work]:
+    return _group(group, "broadcast").broadcast(tensor, src, async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                          group: Optional[ProcessGroup] = None, async_op: bool = False
+                          ) -> Optional[Work]:
+    return _group(group, "reduce_scatter_single").reduce_scatter_single(output, input, op,
+                                                                        async_op)
+
+
+reduce_scatter_tensor = reduce_scatter_single
+
+
+def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    return _group(group, "barrier").barrier(async_op)
