@@ -1,0 +1,17 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import pyddp_segments  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaked_segments():
+    """Every module leaves /dev/shm as it found it."""
+    before = set(pyddp_segments())
+    yield
+    leaked = set(pyddp_segments()) - before
+    assert not leaked, f"pyddp shared-memory segments left in /dev/shm: {sorted(leaked)}"

@@ -1,0 +1,145 @@
+"""Spawned ranks for multi-process tests.
+
+A ``Ranks`` pool starts ``world_size`` processes once (importing torch costs
+seconds on the 2-core CI machines) and runs many test cases inside them:
+``ranks.run(fn, *args)`` calls the module-level function ``fn(ctx, *args)`` on
+every rank and returns the per-rank results, re-raising the first rank
+failure. Every wait is bounded; processes that do not answer are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+DEFAULT_CALL_TIMEOUT = 120.0
+START_TIMEOUT = 120.0
+
+
+class RankFailure(AssertionError):
+    """A rank raised; the message carries its traceback."""
+
+
+@dataclass
+class RankContext:
+    """What a test function gets on each rank."""
+
+    rank: int
+    world_size: int
+    tmpdir: str
+    groups: Dict[str, Any] = field(default_factory=dict)
+    state: Dict[str, Any] = field(default_factory=dict)
+
+    def store_path(self, name: str) -> str:
+        return os.path.join(self.tmpdir, name)
+
+
+def _rank_main(rank: int, world_size: int, tmpdir: str, conn, env: Dict[str, str],
+               setup: Optional[Callable]) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    ctx = RankContext(rank, world_size, tmpdir)
+    try:
+        if setup is not None:
+            setup(ctx)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(ctx, *args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+    for group in ctx.groups.values():
+        group.shutdown()
+
+
+class Ranks:
+    def __init__(self, world_size: int, setup: Optional[Callable] = None,
+                 env: Optional[Dict[str, str]] = None) -> None:
+        self.world_size = world_size
+        self.tmpdir = tempfile.mkdtemp(prefix="pyddp-test-")
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, daemon=True,
+                               args=(rank, world_size, self.tmpdir, child, env or {}, setup))
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            self._collect(START_TIMEOUT, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, timeout: float, what: str) -> List[Any]:
+        results: List[Any] = []
+        failures = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.kill()
+                raise RankFailure(f"rank {rank} gave no answer to {what} within {timeout} s")
+            status, value = conn.recv()
+            if status == "err":
+                failures.append(f"--- rank {rank} ---\n{value}")
+                results.append(None)
+            else:
+                results.append(value)
+        if failures:
+            raise RankFailure(f"{what} failed:\n" + "\n".join(failures))
+        return results
+
+    def run(self, fn: Callable, *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT) -> List[Any]:
+        """fn(ctx, *args) on every rank; the list of results by rank."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        return self._collect(timeout, fn.__name__)
+
+    def run_each(self, fns: List[Callable], *args: Any,
+                 timeout: float = DEFAULT_CALL_TIMEOUT) -> List[Any]:
+        """fns[rank](ctx, *args) on each rank."""
+        for conn, fn in zip(self._conns, fns):
+            conn.send((fn, args))
+        return self._collect(timeout, "/".join(sorted({f.__name__ for f in fns})))
+
+    def pid(self, rank: int) -> int:
+        return self._procs[rank].pid
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(10)
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(30)
+        self.kill()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def pyddp_segments() -> List[str]:
+    """pyddp's shared-memory segments currently named in /dev/shm."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("pyddp-"))

@@ -1,0 +1,286 @@
+"""Collectives on 2, 3 and 4 spawned ranks against independent references.
+
+Each world size starts its ranks once (module fixture) with three groups:
+``auto`` (default settings: small all-reduces direct, large ones ring),
+``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
+tensors take many pieces) and ``direct`` (one-shot all-reduce forced).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyddp
+from collective_cases import (DTYPES, LARGE, ReduceOp, check_equal, digest, dtype_op_pairs,
+                              make_input, reference_reduce)
+from harness import RankContext, Ranks
+
+SMALL_COUNTS = [0, 1, 3, 1000]
+GROUPS = ("auto", "ring", "direct")
+
+
+def _setup(ctx: RankContext) -> None:
+    def group(name: str, **opts) -> pyddp.ProcessGroup:
+        options = pyddp.RingOptions()
+        for key, value in opts.items():
+            setattr(options, key, value)
+        store = dist.FileStore(ctx.store_path(name), ctx.world_size)
+        return pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                               timeout=datetime.timedelta(seconds=60), options=options)
+
+    ctx.groups["auto"] = group("auto")
+    ctx.groups["ring"] = group("ring", algo=pyddp._C.Algo.RING, slot_bytes=256, num_slots=2)
+    ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT)
+    dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
+                            rank=ctx.rank, world_size=ctx.world_size)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
+def ranks(request):
+    pool = Ranks(request.param, setup=_setup)
+    yield pool
+    pool.close()
+
+
+def _counts(group: str) -> list:
+    return SMALL_COUNTS + ([LARGE] if group == "auto" else [])
+
+
+# --- functions run on every rank -------------------------------------------
+
+
+def _all_reduce_cases(ctx: RankContext, group: str) -> list:
+    pg = ctx.groups[group]
+    digests = []
+    for dtype, op in dtype_op_pairs():
+        for count in _counts(group):
+            inputs = [make_input(r, count, dtype, op) for r in range(ctx.world_size)]
+            expected = reference_reduce(inputs, op)
+            for rep in range(2):  # twice in a row: state carried between calls
+                t = inputs[ctx.rank].clone()
+                pg.all_reduce(t, op)
+                check_equal(t, expected, f"all_reduce {dtype} {op} count={count} rep={rep}")
+            digests.append(digest(t))
+    return digests
+
+
+def _reduce_scatter_cases(ctx: RankContext, group: str) -> list:
+    pg = ctx.groups[group]
+    n = ctx.world_size
+    digests = []
+    counts = SMALL_COUNTS + ([LARGE // n] if group == "auto" else [])
+    for dtype, op in dtype_op_pairs():
+        for count in counts:
+            inputs = [make_input(r, count * n, dtype, op) for r in range(n)]
+            expected = reference_reduce(inputs, op)[ctx.rank * count:(ctx.rank + 1) * count]
+            for rep in range(2):
+                out = torch.full((count,), 7, dtype=dtype)
+                pg.reduce_scatter_single(out, inputs[ctx.rank].clone(), op)
+                check_equal(out, expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
+            digests.append(digest(out))
+    return digests
+
+
+def _all_gather_cases(ctx: RankContext, group: str) -> None:
+    pg = ctx.groups[group]
+    n = ctx.world_size
+    for dtype in DTYPES:
+        for count in _counts(group):
+            inputs = [make_input(r, count, dtype) for r in range(n)]
+            expected = torch.cat(inputs)
+            for rep in range(2):
+                out = torch.full((n * count,), 5, dtype=dtype)
+                pg.all_gather_single(out, inputs[ctx.rank].clone())
+                check_equal(out, expected, f"all_gather_single {dtype} count={count} rep={rep}")
+                outs = [torch.full((count,), 5, dtype=dtype) for _ in range(n)]
+                pg.all_gather(outs, inputs[ctx.rank].clone())
+                for r in range(n):
+                    check_equal(outs[r], inputs[r], f"all_gather {dtype} count={count} [{r}]")
+
+
+def _broadcast_cases(ctx: RankContext, group: str) -> None:
+    pg = ctx.groups[group]
+    for dtype in DTYPES:
+        for count in _counts(group):
+            for src in range(ctx.world_size):
+                for rep in range(2):
+                    expected = make_input(src, count, dtype, salt=rep)
+                    t = make_input(ctx.rank, count, dtype, salt=rep)
+                    pg.broadcast(t, src)
+                    check_equal(t, expected, f"broadcast {dtype} count={count} src={src}")
+
+
+def _aliases_and_module_functions(ctx: RankContext) -> None:
+    n = ctx.world_size
+    pyddp.init_process_group("shm", store=dist.FileStore(ctx.store_path("default"), n),
+                             rank=ctx.rank, world_size=n)
+    try:
+        assert pyddp.is_initialized()
+        assert pyddp.get_rank() == ctx.rank and pyddp.get_world_size() == n
+        out = torch.zeros(2 * n)
+        pyddp.all_gather_into_tensor(out, torch.full((2,), float(ctx.rank)))
+        check_equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(2), "alias gather")
+        out2 = torch.zeros(3)
+        pyddp.reduce_scatter_tensor(out2, torch.ones(3 * n), op=ReduceOp.MAX)
+        check_equal(out2, torch.ones(3), "alias reduce_scatter")
+        t = torch.ones(4)
+        pyddp.all_reduce(t, op=dist.ReduceOp(ReduceOp.SUM))  # a ReduceOp instance works too
+        check_equal(t, torch.full((4,), float(n)), "module all_reduce")
+        b = torch.full((2,), float(ctx.rank))
+        pyddp.broadcast(b, src=n - 1)
+        check_equal(b, torch.full((2,), float(n - 1)), "module broadcast")
+        pyddp.barrier()
+    finally:
+        pyddp.destroy_process_group()
+    assert not pyddp.is_initialized()
+
+
+def _non_contiguous(ctx: RankContext) -> None:
+    pg = ctx.groups["ring"]
+    n = ctx.world_size
+    base = torch.arange(40, dtype=torch.float32).reshape(4, 10)
+    t = base.clone()
+    view = t[:, ::2]  # every other column: not contiguous
+    assert not view.is_contiguous()
+    pg.all_reduce(view)
+    expected = base.clone()
+    expected[:, ::2] *= n
+    check_equal(t, expected, "all_reduce into a strided view (other elements untouched)")
+
+    src_t = (base + ctx.rank).t()  # transposed
+    pg.broadcast(src_t, 0)
+    check_equal(src_t, base.t(), "broadcast into a transposed tensor")
+
+    out = torch.zeros(n, 4, 3).transpose(1, 2)  # non-contiguous output
+    inp = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * ctx.rank)
+    pg.all_gather_single(out, inp.t())  # non-contiguous input
+    for r in range(n):
+        # Block r holds rank r's input in its logical (row-major) element order.
+        theirs = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * r).t()
+        check_equal(out[r], theirs.reshape(3, 4), f"all_gather_single strided block {r}")
+
+    # In-place gather: the input is this rank's block of the output.
+    out = torch.zeros(n * 3)
+    mine = out[ctx.rank * 3:(ctx.rank + 1) * 3]
+    mine.fill_(float(ctx.rank + 1))
+    pg.all_gather_single(out, mine)
+    check_equal(out, (torch.arange(n, dtype=torch.float32) + 1).repeat_interleave(3),
+                "in-place all_gather_single")
+
+
+def _async_work(ctx: RankContext) -> None:
+    pg = ctx.groups["auto"]
+    n = ctx.world_size
+    tensors = [torch.full((100 * (i + 1),), float(i + ctx.rank)) for i in range(5)]
+    works = [pg.all_reduce(t, async_op=True) for t in tensors]
+    assert all(isinstance(w, pyddp.Work) for w in works)
+    for i, work in reversed(list(enumerate(works))):
+        assert work.wait(datetime.timedelta(seconds=30)) is True
+        assert work.is_completed()
+        assert work.exception() is None
+        value = work.get_future().wait()
+        assert isinstance(value, list) and value[0] is not None
+        expected = torch.full((100 * (i + 1),), float(n * i + n * (n - 1) // 2))
+        check_equal(tensors[i], expected, f"async all_reduce {i}")
+        check_equal(value[0], expected, f"future value {i}")
+    # A future's callback sees the outputs.
+    t = torch.ones(8)
+    fut = pg.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    check_equal(fut.wait(), torch.full((8,), 2.0 * n), "future.then")
+    # Async calls of different kinds keep call order.
+    g = torch.zeros(n * 2)
+    w1 = pg.all_gather_single(g, torch.full((2,), float(ctx.rank)), async_op=True)
+    b = torch.full((3,), float(ctx.rank))
+    w2 = pg.broadcast(b, 1, async_op=True)
+    w3 = pg.barrier(async_op=True)
+    w3.wait()
+    assert w1.is_completed() and w2.is_completed()
+    check_equal(b, torch.ones(3), "async broadcast")
+
+
+def _barrier_orders(ctx: RankContext) -> tuple:
+    pg = ctx.groups["auto"]
+    time.sleep(0.3 * ctx.rank)
+    entered = time.time()
+    pg.barrier()
+    return entered, time.time()
+
+
+def _agrees_with_gloo(ctx: RankContext) -> None:
+    pg = ctx.groups["auto"]
+    n = ctx.world_size
+    for count in (5, 1000, 70001):
+        for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX):
+            mine = make_input(ctx.rank, count, torch.float32, op)
+            ours, theirs = mine.clone(), mine.clone()
+            pg.all_reduce(ours, op)
+            dist.all_reduce(theirs, op)
+            check_equal(ours, theirs, f"all_reduce vs gloo {op} count={count}")
+        mine = make_input(ctx.rank, count, torch.int64)
+        ours, theirs = torch.zeros(n * count, dtype=torch.int64), torch.zeros(n * count,
+                                                                              dtype=torch.int64)
+        pg.all_gather_single(ours, mine)
+        dist.all_gather_into_tensor(theirs, mine)
+        check_equal(ours, theirs, f"all_gather vs gloo count={count}")
+        ours, theirs = mine.clone(), mine.clone()
+        pg.broadcast(ours, n - 1)
+        dist.broadcast(theirs, n - 1)
+        check_equal(ours, theirs, f"broadcast vs gloo count={count}")
+        full = make_input(ctx.rank, n * count, torch.float32)
+        ours = torch.zeros(count)
+        pg.reduce_scatter_single(ours, full)
+        theirs = full.clone()
+        dist.all_reduce(theirs)
+        check_equal(ours, theirs[ctx.rank * count:(ctx.rank + 1) * count],
+                    f"reduce_scatter vs gloo all_reduce slice count={count}")
+
+
+# --- tests ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_all_reduce_every_dtype_and_op(ranks, group):
+    digests = ranks.run(_all_reduce_cases, group)
+    assert all(d == digests[0] for d in digests), "results differ bitwise between ranks"
+
+
+@pytest.mark.parametrize("group", ["auto", "ring"])
+def test_reduce_scatter_every_dtype_and_op(ranks, group):
+    ranks.run(_reduce_scatter_cases, group)
+
+
+@pytest.mark.parametrize("group", ["auto", "ring"])
+def test_all_gather_every_dtype(ranks, group):
+    ranks.run(_all_gather_cases, group)
+
+
+@pytest.mark.parametrize("group", ["auto", "ring"])
+def test_broadcast_every_dtype_and_root(ranks, group):
+    ranks.run(_broadcast_cases, group)
+
+
+def test_aliases_and_default_group_functions(ranks):
+    ranks.run(_aliases_and_module_functions)
+
+
+def test_non_contiguous_tensors(ranks):
+    ranks.run(_non_contiguous)
+
+
+def test_async_work_and_futures(ranks):
+    ranks.run(_async_work)
+
+
+def test_barrier_waits_for_every_rank(ranks):
+    times = ranks.run(_barrier_orders)
+    last_entry = max(entered for entered, _ in times)
+    assert all(left >= last_entry for _, left in times), times
+
+
+def test_agrees_with_torch_gloo(ranks):
+    ranks.run(_agrees_with_gloo)
