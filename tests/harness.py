@@ -26,6 +26,13 @@ class RankFailure(AssertionError):
 
 
 @dataclass
+class Died:
+    """Stands in for the result of a rank whose process exited."""
+
+    exitcode: Optional[int]
+
+
+@dataclass
 class RankContext:
     """What a test function gets on each rank."""
 
@@ -87,14 +94,25 @@ class Ranks:
             self.close()
             raise
 
-    def _collect(self, timeout: float, what: str) -> List[Any]:
+    def _collect(self, timeout: float, what: str, allow_dead: bool = False) -> List[Any]:
         results: List[Any] = []
         failures = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
                 self.kill()
                 raise RankFailure(f"rank {rank} gave no answer to {what} within {timeout} s")
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                self._procs[rank].join(10)
+                status, value = "dead", Died(self._procs[rank].exitcode)
+            if status == "dead" and allow_dead:
+                results.append(value)
+                continue
+            if status == "dead":
+                failures.append(f"--- rank {rank} exited with code {value.exitcode} ---")
+                results.append(None)
+                continue
             if status == "err":
                 failures.append(f"--- rank {rank} ---\n{value}")
                 results.append(None)
@@ -110,12 +128,13 @@ class Ranks:
             conn.send((fn, args))
         return self._collect(timeout, fn.__name__)
 
-    def run_each(self, fns: List[Callable], *args: Any,
-                 timeout: float = DEFAULT_CALL_TIMEOUT) -> List[Any]:
-        """fns[rank](ctx, *args) on each rank."""
+    def run_each(self, fns: List[Callable], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
+                 allow_dead: bool = False) -> List[Any]:
+        """fns[rank](ctx, *args) on each rank; with allow_dead, a rank whose
+        process exits yields a Died result instead of a failure."""
         for conn, fn in zip(self._conns, fns):
             conn.send((fn, args))
-        return self._collect(timeout, "/".join(sorted({f.__name__ for f in fns})))
+        return self._collect(timeout, "/".join(sorted({f.__name__ for f in fns})), allow_dead)
 
     def pid(self, rank: int) -> int:
         return self._procs[rank].pid

@@ -1,6 +1,5 @@
 """Spawning, supervising and reaping the ranks of one benchmark run."""
 
-import dataclasses
 import multiprocessing as mp
 import queue as queue_module
 import tempfile
@@ -32,8 +31,7 @@ def run(plan: Plan) -> list[Result]:
     ctx = mp.get_context("spawn")
     messages: "Queue[Message]" = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="pyddp-bench-") as store_dir:
-        plan = dataclasses.replace(plan, store_dir=store_dir)
-        procs = [ctx.Process(target=run_rank, args=(rank, plan, messages),
+        procs = [ctx.Process(target=run_rank, args=(rank, plan, store_dir, messages),
                              name=f"pyddp-bench-rank{rank}")
                  for rank in range(plan.world_size)]
         finished = False

@@ -50,18 +50,17 @@ class Plan:
     warmup: int
     target_seconds: float
     timeout_seconds: float
-    store_dir: str
 
 
-def run_rank(rank: int, plan: Plan, queue: "Queue[Message]") -> None:
-    """Entry point of a spawned rank.
+def run_rank(rank: int, plan: Plan, store_dir: str, queue: "Queue[Message]") -> None:
+    """Entry point of a spawned rank; the ranks rendezvous through FileStores in ``store_dir``.
 
     Rank 0 sends every Result; each rank ends with a "done" message, or an
     "error" message with its traceback and exit code 1.
     """
     try:
         torch.set_num_threads(1)
-        for result in _sweep(rank, plan):
+        for result in _sweep(rank, plan, store_dir):
             if rank == 0:
                 queue.put(("result", rank, result))
         queue.put(("done", rank, None))
@@ -70,14 +69,14 @@ def run_rank(rank: int, plan: Plan, queue: "Queue[Message]") -> None:
         sys.exit(1)
 
 
-def _sweep(rank: int, plan: Plan) -> Iterator[Result]:
+def _sweep(rank: int, plan: Plan, store_dir: str) -> Iterator[Result]:
     """Measures every (size, op, backend) point, sizes outermost.
 
     Backends alternate within a size, so slow drifts of a shared machine hit
     them alike. The default torch.distributed group (gloo) is created first:
     it carries the bookkeeping collectives and is the "gloo" backend.
     """
-    ctx = RankContext(rank, plan.world_size, plan.store_dir,
+    ctx = RankContext(rank, plan.world_size, store_dir,
                       datetime.timedelta(seconds=plan.timeout_seconds))
     dist.init_process_group("gloo", store=ctx.store("gloo"), rank=rank,
                             world_size=plan.world_size, timeout=ctx.timeout)
