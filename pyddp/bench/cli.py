@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from collections.abc import Callable, Collection
 from typing import Optional
 
 from pyddp.bench import launch, report
@@ -12,6 +13,7 @@ from pyddp.bench.worker import DTYPES, Plan
 
 
 def _size(text: str) -> int:
+    """argparse type for a byte size (``4K``, ``64M``)."""
     try:
         return parse_size(text)
     except ValueError as error:
@@ -19,13 +21,15 @@ def _size(text: str) -> int:
 
 
 def _positive_int(text: str) -> int:
+    """argparse type for an integer of at least 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
-def _names(known: dict[str, object]):
+def _names(known: Collection[str]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma list of names from ``known``, duplicates dropped."""
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",") if name.strip()]
         unknown = [name for name in names if name not in known]
@@ -37,6 +41,7 @@ def _names(known: dict[str, object]):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m pyddp.bench``."""
     parser = argparse.ArgumentParser(
         prog="python -m pyddp.bench",
         description="Time pyddp's collectives against torch.distributed peers on this machine "
@@ -96,7 +101,7 @@ def parse_plan(argv: Optional[list[str]] = None) -> tuple[Plan, Optional[str], s
 def main(argv: Optional[list[str]] = None) -> int:
     """Runs the benchmark; exit status 1 if a rank failed or any element was wrong."""
     plan, json_path, baseline = parse_plan(argv)
-    print(f"# pyddp.bench: {plan.world_size} ranks, {', '.join(plan.ops)}, "
+    print(f"# pyddp.bench: world size {plan.world_size}, {', '.join(plan.ops)}, "
           f"{format_size(plan.sizes[0])} to {format_size(plan.sizes[-1])}, "
           f"backends {', '.join(plan.backends)}", flush=True)
     try:

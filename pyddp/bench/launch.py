@@ -4,6 +4,7 @@ import multiprocessing as mp
 import queue as queue_module
 import tempfile
 import time
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
@@ -46,7 +47,7 @@ def run(plan: Plan) -> list[Result]:
             messages.close()
 
 
-def _collect(procs: list[BaseProcess], messages: "Queue[Message]", stall_seconds: float
+def _collect(procs: Sequence[BaseProcess], messages: "Queue[Message]", stall_seconds: float
              ) -> list[Result]:
     """Gathers results until every rank is done.
 
@@ -75,15 +76,15 @@ def _collect(procs: list[BaseProcess], messages: "Queue[Message]", stall_seconds
     return results
 
 
-def _check_alive(procs: list[BaseProcess], done: set[int]) -> None:
+def _check_alive(procs: Sequence[BaseProcess], done: set[int]) -> None:
     """Raises BenchError if a rank that has not finished is no longer running."""
     for rank, proc in enumerate(procs):
         if rank not in done and proc.exitcode is not None:
             raise BenchError(f"rank {rank} exited with code {proc.exitcode} before finishing")
 
 
-def _reap(procs: list[BaseProcess], timeout: float) -> None:
-    """Joins every started rank within ``timeout`` seconds in all, then kills the ones still alive."""
+def _reap(procs: Sequence[BaseProcess], timeout: float) -> None:
+    """Joins the started ranks within ``timeout`` seconds in all; kills the ones still alive."""
     deadline = time.monotonic() + timeout
     for proc in procs:
         if proc.pid is not None:

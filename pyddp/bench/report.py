@@ -52,7 +52,7 @@ def render(results: list[Result], ops: Iterable[str], backends: list[str], basel
 
     The summary is left out when ``baseline`` was not run.
     """
-    blocks = []
+    blocks: list[str] = []
     for op in ops:
         runs = {name: [r for r in results if r.op == op and r.backend == name]
                 for name in backends}
