@@ -3,7 +3,8 @@
 Each world size starts its ranks once (module fixture) with three groups:
 ``auto`` (default settings: small all-reduces direct, large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
-tensors take many pieces) and ``direct`` (one-shot all-reduce forced).
+tensors take many pieces) and ``direct`` (one-shot all-reduce forced, with
+256-byte staging buffers, so small tensors take many rounds).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _setup(ctx: RankContext) -> None:
 
     ctx.groups["auto"] = group("auto")
     ctx.groups["ring"] = group("ring", algo=pyddp._C.Algo.RING, slot_bytes=256, num_slots=2)
-    ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT)
+    # 256-byte staging buffers: direct all-reduces of more take several rounds.
+    ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT, direct_max_bytes=256)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
 

@@ -82,6 +82,10 @@ def test_bad_group_arguments():
     options.num_slots = 1
     with pytest.raises(ValueError, match="num_slots"):
         pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1, options=options)
+    options = pyddp.RingOptions()
+    options.algo, options.direct_max_bytes = pyddp._C.Algo.DIRECT, 0
+    with pytest.raises(ValueError, match="algo=direct .* needs direct_max_bytes"):
+        options.validate()
 
 
 def test_bad_settings_in_environment(monkeypatch):

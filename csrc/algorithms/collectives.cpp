@@ -1,5 +1,6 @@
 #include "algorithms/collectives.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms/schedule.h"
@@ -71,17 +72,23 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
 void directAllReduce(const Call& c, PeerMemory& mem,
                      const kernels::ReduceSpec& spec, const void* in, void* out,
                      size_t count) {
-  const size_t bytes = count * elementSize(spec.dtype);
-  PYDDP_CHECK(bytes <= mem.capacityBytes(), "direct all_reduce of ", bytes,
-              " bytes exceeds the staging capacity ", mem.capacityBytes());
-  // stage my contribution where every rank can read it
-  std::memcpy(mem.stagingBuffer(c.desc.seq), in, bytes);
-  // every rank arrived (and so staged) with the same call
-  c.transport.enter(c.desc, c.deadline);
-  // reduce all contributions in rank order: the same bits on every rank
+  const size_t es = elementSize(spec.dtype);
+  const size_t chunkElems = mem.capacityBytes() / es;
+  PYDDP_CHECK(chunkElems > 0 || count == 0, "direct all_reduce needs staging memory");
   std::vector<const void*> src(c.worldSize);
-  for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k, c.desc.seq);
-  kernels::reduceN(spec, out, src.data(), c.worldSize, count);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  // The tensor moves in chunks that fit the staging buffers, one round each.
+  for (size_t begin = 0; begin < count; begin += chunkElems) {
+    const size_t n = std::min(chunkElems, count - begin);
+    // stage my share of the chunk where every rank can read it
+    std::memcpy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    // every rank staged it
+    mem.exchange();
+    // reduce all shares in rank order: the same bits on every rank
+    for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
+    kernels::reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
+  }
 }
 
 void ringAllGather(const Call& c, DataType dtype, const void* in,

@@ -23,8 +23,8 @@ struct Call {
 // out = reduce(in over ranks); out may equal in. count elements per rank.
 void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
                    const void* in, void* out, size_t count);
-// Same result through every rank's staged copy; count * element size must
-// fit PeerMemory::capacityBytes().
+// Same result read from every rank's staged copy, in chunks of
+// PeerMemory::capacityBytes(): the lowest latency for small messages.
 void directAllReduce(const Call& c, PeerMemory& mem,
                      const kernels::ReduceSpec& spec, const void* in, void* out,
                      size_t count);

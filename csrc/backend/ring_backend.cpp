@@ -202,12 +202,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
   checkOp(op, dtype, "all_reduce");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
-  PYDDP_CHECK_VALUE(options_.algo != Algo::Direct || bytes <= options_.directMaxBytes,
-                    "rank ", rank_, ": all_reduce of ", bytes,
-                    " bytes with PYDDP_ALGO=direct needs PYDDP_DIRECT_MAX_BYTES >= ", bytes,
-                    " (it is ", options_.directMaxBytes, ")");
-  const bool direct = options_.algo == Algo::Direct ||
-      (options_.algo == Algo::Auto && bytes <= options_.directMaxBytes && size_ > 1);
+  const bool direct = options_.directMaxBytes > 0 &&
+      (options_.algo == Algo::Direct ||
+       (options_.algo == Algo::Auto && bytes <= options_.directMaxBytes));
   const auto s = spec(dtype, op);
   at::Tensor buf = dense(tensor);
   return submit(

@@ -72,6 +72,8 @@ void RingOptions::validate() const {
   PYDDP_CHECK_VALUE(
       directMaxBytes <= (1u << 30), "direct_max_bytes (", kDirectMaxVar,
       ") must be at most 1 GiB, got ", directMaxBytes);
+  PYDDP_CHECK_VALUE(algo != Algo::Direct || directMaxBytes > 0, "algo=direct (",
+                    kAlgoVar, ") needs direct_max_bytes (", kDirectMaxVar, ") > 0");
   PYDDP_CHECK_VALUE(timeoutMs > 0, "timeout must be positive, got ", timeoutMs, " ms");
 }
 

@@ -21,7 +21,9 @@ struct RingOptions {
   // Slots per ring link. The fused ring verbs hold one received piece while
   // claiming a send slot, so fewer than 2 slots deadlock the ring.
   int numSlots;
-  // All-reduces up to this many bytes use the direct (one-shot) algorithm.
+  // All-reduces up to this many bytes use the direct (one-shot) algorithm;
+  // it is also the size of each rank's staging buffers, so a forced direct
+  // all-reduce of more moves in chunks of this size. 0 disables direct.
   size_t directMaxBytes;
   Algo algo;
   // Milliseconds every wait may take before it fails naming the missing rank.

@@ -392,12 +392,22 @@ void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec,
   releaseRecv();
 }
 
-void* ShmTransport::stagingBuffer(uint64_t seq) {
-  return segments_[rank_].staging + (seq % 2) * directBytes_;
+void* ShmTransport::stagingBuffer() {
+  return segments_[rank_].staging + ((rounds_ + 1) % 2) * directBytes_;
 }
 
-const void* ShmTransport::peerBuffer(int rank, uint64_t seq) const {
-  return segments_[rank].staging + (seq % 2) * directBytes_;
+void ShmTransport::exchange() {
+  ++rounds_;
+  segments_[rank_].header->staged.value.store(rounds_, std::memory_order_release);
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k == rank_) continue;
+    const auto& staged = header(k).staged.value;
+    waitFor(k, [&] { return staged.load(std::memory_order_acquire) >= rounds_; });
+  }
+}
+
+const void* ShmTransport::peerBuffer(int rank) const {
+  return segments_[rank].staging + (rounds_ % 2) * directBytes_;
 }
 
 } // namespace shm

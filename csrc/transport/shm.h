@@ -52,12 +52,18 @@ static_assert(sizeof(WireDescriptor) == kCacheLine);
 
 // Synchronisation protocol (all counters start at 0 and only increase):
 //
-// Arrival. To enter collective #seq a rank writes desc[seq % kDescriptorRing]
-//   (and, for direct algorithms, its staging buffer seq % 2), then stores
-//   arrived = seq (release). It proceeds once every peer's arrived >= seq
-//   (acquire), then compares descriptors. Invariant: no rank passes the
-//   arrival of #seq+1 before every rank has left #seq, so a peer's
-//   descriptor and staging buffer for #seq stay untouched while read.
+// Arrival. To enter collective #seq a rank writes desc[seq % kDescriptorRing],
+//   then stores arrived = seq (release). It proceeds once every peer's
+//   arrived >= seq (acquire), then compares descriptors. Invariant: no rank
+//   passes the arrival of #seq+1 before every rank has left #seq, so a
+//   peer's descriptor for #seq stays untouched while read.
+//
+// Direct rounds (PeerMemory). Rounds are numbered over the life of the
+//   group. In round R a rank writes staging buffer R % 2, stores staged = R
+//   (release) and waits until every peer's staged >= R (acquire); then it
+//   reads every rank's buffer R % 2. Invariant: a rank writes buffer R % 2
+//   only after seeing every peer at round R-1, and a peer reads round R-2's
+//   buffers before it publishes R-1, so no buffer is overwritten while read.
 //
 // Ring link (this rank -> rank+1). Pieces are numbered over the life of the
 //   group. To send piece k the sender waits until the receiver's
@@ -77,6 +83,7 @@ struct alignas(kCacheLine) SegmentHeader {
   uint64_t slotBytes;
   uint64_t directBytes;
   Counter arrived;   // newest collective this rank entered
+  Counter staged;    // direct rounds this rank has staged
   Counter posted;    // ring pieces this rank has written to its slots
   Counter consumed;  // ring pieces this rank has read from its left peer
   WireDescriptor desc[kDescriptorRing];
@@ -115,8 +122,9 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
 
   // PeerMemory
   size_t capacityBytes() const override { return directBytes_; }
-  void* stagingBuffer(uint64_t seq) override;
-  const void* peerBuffer(int rank, uint64_t seq) const override;
+  void* stagingBuffer() override;
+  void exchange() override;
+  const void* peerBuffer(int rank) const override;
 
  private:
   struct Segment {
@@ -160,6 +168,7 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
+  uint64_t rounds_ = 0;    // mirrors our staged counter
   CollectiveDesc current_;
   Clock::time_point deadline_;
 };

@@ -44,15 +44,17 @@ class RingLink {
 };
 
 // Memory of every rank mapped into this process, for direct (one-shot)
-// algorithms. A rank stages its contribution before entering the
-// collective; once every rank has entered, all staged buffers are readable
-// until the next collective is entered.
+// algorithms, used in rounds: a rank writes its data to stagingBuffer(),
+// calls exchange(), and then reads every rank's data of that round through
+// peerBuffer() until its next exchange().
 class PeerMemory {
  public:
   virtual ~PeerMemory() = default;
   virtual size_t capacityBytes() const = 0;
-  virtual void* stagingBuffer(uint64_t seq) = 0;
-  virtual const void* peerBuffer(int rank, uint64_t seq) const = 0;
+  virtual void* stagingBuffer() = 0;
+  // Publishes this rank's staged data; returns once every rank has.
+  virtual void exchange() = 0;
+  virtual const void* peerBuffer(int rank) const = 0;
 };
 
 // A transport connects this rank to all others in two phases: setup()
