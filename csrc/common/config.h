@@ -33,13 +33,17 @@ struct RingOptions {
   void validate() const;  // throws ValueError naming the offending setting
 };
 
-// Tuned on a 2-core x86-64 development machine with
-// `python -m pyddp.bench --sweep-slots` (see benchmarks/README.md): larger
-// slots stopped helping at 256 KiB, smaller ones cost up to 30% at 64 MiB.
-constexpr size_t kDefaultSlotBytes = 256 * 1024;
+// Measured with `PYDDP_SLOT_BYTES=... PYDDP_NUM_SLOTS=... python -m pyddp.bench
+// --backends pyddp -b 1M -e 64M` on the 2-core development machine, 2 ranks:
+// 64 KiB to 256 KiB slots with 4 or 8 slots were within noise of each other
+// (64 MiB all_reduce ~9 ms); 1 MiB slots were 5-10% slower. The smallest of
+// the best keeps a rank's ring buffers (512 KiB) inside its L2 cache.
+constexpr size_t kDefaultSlotBytes = 64 * 1024;
 constexpr int kDefaultNumSlots = 8;
-// Same bench: direct beats ring up to 64 KiB for 2 ranks.
-constexpr size_t kDefaultDirectMaxBytes = 64 * 1024;
+// Same machine, PYDDP_ALGO=direct vs ring, 2 ranks: direct is 0.5-1.5 us
+// faster up to 4 KiB, even at 16 KiB, and slower beyond (every rank reduces
+// the whole tensor, where the ring splits that work).
+constexpr size_t kDefaultDirectMaxBytes = 16 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
 // Every PYDDP_* variable with its current value ("" when unset).
