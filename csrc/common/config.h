@@ -41,8 +41,8 @@ struct RingOptions {
 constexpr size_t kDefaultSlotBytes = 64 * 1024;
 constexpr int kDefaultNumSlots = 8;
 // Same machine, PYDDP_ALGO=direct vs ring, 2 ranks: direct is 0.5-1.5 us
-// faster up to 4 KiB, even at 16 KiB, and slower beyond (every rank reduces
-// the whole tensor, where the ring splits that work).
+// faster up to 1 KiB, level at 4-16 KiB and slower beyond (every rank
+// reduces the whole tensor, where the ring splits that work).
 constexpr size_t kDefaultDirectMaxBytes = 16 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
