@@ -1,15 +1,16 @@
 """Builds pyddp._C against the installed torch.
 
-CppExtension when torch is a CPU build or no nvcc is found; CUDAExtension
-(CUDA and NCCL sources, when they exist) when torch is a CUDA build and nvcc
-matches. PYDDP_BUILD_CUDA=0/1 forces the choice; DEBUG=1 builds -O0 -g.
+CppExtension when torch is a CPU build or no CUDA toolkit is found;
+CUDAExtension (CUDA and NCCL sources, when they exist) when torch is a CUDA
+build and CUDA_HOME has nvcc. PYDDP_BUILD_CUDA=0/1 forces the choice;
+DEBUG=1 builds -O0 -g with assertions.
 """
 
 import glob
 import os
 
 # cpp_extension reads CUDA_HOME when imported. /usr/local/bin/nvcc may be a
-# wrapper script that makes it guess /usr/local (BUILD-NOTES.md).
+# wrapper script that makes it guess /usr/local, whose lib has no cudart.
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
@@ -36,7 +37,8 @@ def sources(cuda: bool) -> list:
 
 def extension():
     cuda = want_cuda()
-    opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+    # Python's own CFLAGS carry -DNDEBUG; a debug build wants assertions.
+    opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3"]
     cxx = ["-std=c++20", *opt, "-Wall", "-Wno-unused-parameter"]
     kwargs = dict(
         name="pyddp._C",
@@ -59,5 +61,5 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
-    install_requires=["torch", "numpy"],
+    install_requires=["torch"],
 )

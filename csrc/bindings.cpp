@@ -9,6 +9,9 @@
 #include "backend/ring_backend.h"
 #include "common/check.h"
 #include "kernels/cpu.h"
+#include "transport/shm.h"
+
+#include <sys/stat.h>
 
 namespace py = pybind11;
 using namespace pyddp;
@@ -36,18 +39,39 @@ void bindTesting(py::module_& m) {
   });
   t.def("num_pieces", &schedule::numPieces);
   t.def("chain_position", &schedule::chainPosition);
-  // The CPU kernels over contiguous tensors of one dtype.
-  t.def("reduce2", [](RedOp op, int worldSize, bool finish, at::Tensor a, at::Tensor b) {
-    auto out = at::empty_like(a);
-    kernels::reduce2({dtypeOf(a), op, worldSize}, finish, out.data_ptr(),
-                     a.data_ptr(), b.data_ptr(), a.numel());
+  // The CPU kernels over contiguous tensors; partials are float32 for half
+  // types and the element type otherwise.
+  auto partialLike = [](const at::Tensor& local) {
+    const bool half = local.scalar_type() == at::kHalf || local.scalar_type() == at::kBFloat16;
+    return at::empty(local.sizes(), local.options().dtype(half ? at::kFloat : local.scalar_type()));
+  };
+  t.def("to_partial", [=](at::Tensor local) {
+    auto out = partialLike(local);
+    kernels::toPartial({dtypeOf(local), RedOp::Sum, 1}, out.data_ptr(), local.data_ptr(),
+                       local.numel());
     return out;
   });
-  t.def("reduce2_dual", [](RedOp op, int worldSize, at::Tensor a, at::Tensor b) {
-    auto out0 = at::empty_like(a), out1 = at::empty_like(a);
-    kernels::reduce2Dual({dtypeOf(a), op, worldSize}, out0.data_ptr(),
-                         out1.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel());
-    return std::make_pair(out0, out1);
+  t.def("reduce_partial", [=](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
+    auto out = partialLike(local);
+    kernels::reducePartial({dtypeOf(local), op, worldSize}, out.data_ptr(),
+                           partial.data_ptr(), local.data_ptr(), local.numel());
+    return out;
+  });
+  t.def("reduce_final", [](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
+    auto out = at::empty_like(local), out2 = at::empty_like(local);
+    kernels::reduceFinal({dtypeOf(local), op, worldSize}, out.data_ptr(), out2.data_ptr(),
+                         partial.data_ptr(), local.data_ptr(), local.numel());
+    return std::make_pair(out, out2);
+  });
+  // Creates one shm segment as a group's bootstrap does, reports its name and
+  // permission bits, and destroys it without ever connecting.
+  t.def("probe_shm_segment", [] {
+    shm::ShmTransport transport(0, 2, RingOptions::fromEnv());
+    const std::string blob = transport.setup();
+    const std::string name = blob.substr(0, blob.find('\n'));
+    struct stat st {};
+    PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
+    return std::make_pair(name, static_cast<int>(st.st_mode & 0777));
   });
   t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
     auto out = at::empty_like(srcs.at(0));
@@ -78,6 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<RingOptions>(m, "RingOptions")
       .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
+      .def(py::init<const RingOptions&>(), "A copy.")
       .def_readwrite("slot_bytes", &RingOptions::slotBytes)
       .def_readwrite("num_slots", &RingOptions::numSlots)
       .def_readwrite("direct_max_bytes", &RingOptions::directMaxBytes)

@@ -41,9 +41,22 @@ from .process_group import (
 )
 from .rendezvous import local_rank
 
-_level = _C.settings().get("PYDDP_DEBUG", "")
-if _level:
-    _logging.getLogger("pyddp").setLevel(_level.upper())
+
+def _configure_logging(level: str) -> None:
+    """PYDDP_DEBUG=INFO (or any logging level name or number) shows pyddp's log on stderr."""
+    if not level:
+        return
+    value = int(level) if level.isdigit() else _logging.getLevelName(level.upper())
+    if not isinstance(value, int):
+        raise ValueError(f"PYDDP_DEBUG={level!r} is not a logging level "
+                         "(DEBUG, INFO, WARNING, ERROR or a number)")
+    log = _logging.getLogger("pyddp")
+    log.setLevel(value)
+    if not log.handlers:
+        log.addHandler(_logging.StreamHandler())
+
+
+_configure_logging(_C.settings().get("PYDDP_DEBUG", ""))
 
 __all__ = [
     "BACKENDS",

@@ -173,6 +173,14 @@ class ProcessGroup:
         """Stops the group's worker; pending collectives fail."""
         self._backend.shutdown()
 
+    def __del__(self) -> None:
+        # Join the worker here, where the binding releases the GIL: a last
+        # reference dropped elsewhere could join it with the GIL held while
+        # a future callback on the worker waits for the GIL.
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            backend.shutdown()
+
 
 def init_process_group(
     backend: str = "shm",
@@ -216,13 +224,14 @@ def new_group(
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, timeout)
     elif rank is None or world_size is None:
         raise ValueError("pyddp: a store needs explicit rank and world_size")
-    opts = options if options is not None else RingOptions()
+    opts = RingOptions(options) if options is not None else RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
     prefix = f"pyddp/{next(_group_ids)}"
-    logger.info("rank %d/%d: joining group %s over %s (slot_bytes=%d, num_slots=%d, "
-                "direct_max_bytes=%d, algo=%s)", rank, world_size, prefix, backend,
-                opts.slot_bytes, opts.num_slots, opts.direct_max_bytes, opts.algo)
+    logger.info("rank %d/%d: joining group %s; transport shm for every peer (CPU tensors, "
+                "one host; slot_bytes=%d, num_slots=%d, direct_max_bytes=%d, algo=%s)",
+                rank, world_size, prefix, opts.slot_bytes, opts.num_slots,
+                opts.direct_max_bytes, opts.algo)
     ring = _C.RingBackend(dist.PrefixStore(prefix, store), rank, world_size, opts)
     return ProcessGroup(ring, store, rank, world_size, timeout)
 

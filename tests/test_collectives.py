@@ -21,7 +21,8 @@ from collective_cases import (DTYPES, LARGE, ReduceOp, check_equal, digest, dtyp
                               make_input, reference_reduce)
 from harness import RankContext, Ranks
 
-SMALL_COUNTS = [0, 1, 3, 1000]
+# 1001: uneven blocks for every world size, many pieces in the ring and direct groups.
+SMALL_COUNTS = [0, 1, 3, 1001]
 GROUPS = ("auto", "ring", "direct")
 
 
@@ -56,9 +57,8 @@ def _counts(group: str) -> list:
 # --- functions run on every rank -------------------------------------------
 
 
-def _all_reduce_cases(ctx: RankContext, group: str) -> list:
+def _all_reduce_cases(ctx: RankContext, group: str) -> None:
     pg = ctx.groups[group]
-    digests = []
     for dtype, op in dtype_op_pairs():
         for count in _counts(group):
             inputs = [make_input(r, count, dtype, op) for r in range(ctx.world_size)]
@@ -67,14 +67,11 @@ def _all_reduce_cases(ctx: RankContext, group: str) -> list:
                 t = inputs[ctx.rank].clone()
                 pg.all_reduce(t, op)
                 check_equal(t, expected, f"all_reduce {dtype} {op} count={count} rep={rep}")
-            digests.append(digest(t))
-    return digests
 
 
-def _reduce_scatter_cases(ctx: RankContext, group: str) -> list:
+def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
     pg = ctx.groups[group]
     n = ctx.world_size
-    digests = []
     counts = SMALL_COUNTS + ([LARGE // n] if group == "auto" else [])
     for dtype, op in dtype_op_pairs():
         for count in counts:
@@ -84,8 +81,6 @@ def _reduce_scatter_cases(ctx: RankContext, group: str) -> list:
                 out = torch.full((count,), 7, dtype=dtype)
                 pg.reduce_scatter_single(out, inputs[ctx.rank].clone(), op)
                 check_equal(out, expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
-            digests.append(digest(out))
-    return digests
 
 
 def _all_gather_cases(ctx: RankContext, group: str) -> None:
@@ -119,6 +114,11 @@ def _broadcast_cases(ctx: RankContext, group: str) -> None:
 
 def _aliases_and_module_functions(ctx: RankContext) -> None:
     n = ctx.world_size
+    # The default group can be destroyed and created again.
+    pyddp.init_process_group("shm", store=dist.FileStore(ctx.store_path("default0"), n),
+                             rank=ctx.rank, world_size=n)
+    pyddp.barrier()
+    pyddp.destroy_process_group()
     pyddp.init_process_group("shm", store=dist.FileStore(ctx.store_path("default"), n),
                              rank=ctx.rank, world_size=n)
     try:
@@ -166,6 +166,17 @@ def _non_contiguous(ctx: RankContext) -> None:
         theirs = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * r).t()
         check_equal(out[r], theirs.reshape(3, 4), f"all_gather_single strided block {r}")
 
+    # Strided output of reduce_scatter, strided entries of a gather list.
+    rs_in = torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3)
+    rs_out = torch.zeros(3, 2).t()  # (2, 3), not contiguous
+    pg.reduce_scatter_single(rs_out, rs_in.t().contiguous().t())
+    check_equal(rs_out.flatten(), n * rs_in.flatten()[ctx.rank * 6:(ctx.rank + 1) * 6],
+                "reduce_scatter_single into a strided output")
+    parts = [torch.zeros(3, 2).t() for _ in range(n)]
+    pg.all_gather(parts, torch.full((2, 3), float(ctx.rank)))
+    for r in range(n):
+        check_equal(parts[r], torch.full((2, 3), float(r)), f"all_gather strided entry {r}")
+
     # In-place gather: the input is this rank's block of the output.
     out = torch.zeros(n * 3)
     mine = out[ctx.rank * 3:(ctx.rank + 1) * 3]
@@ -203,6 +214,59 @@ def _async_work(ctx: RankContext) -> None:
     w3.wait()
     assert w1.is_completed() and w2.is_completed()
     check_equal(b, torch.ones(3), "async broadcast")
+
+
+def _future_ready_after_wait(ctx: RankContext) -> None:
+    pg = ctx.groups["auto"]
+    for i in range(2000):
+        t = torch.full((4,), float(i))
+        work = pg.all_reduce(t, async_op=True)
+        work.wait()
+        assert work.get_future().value()[0][0].item() == i * ctx.world_size
+
+
+def _collective_inside_callback(ctx: RankContext) -> None:
+    pg = ctx.groups["auto"]
+    x = torch.ones(5)
+
+    def then(fut):
+        pg.all_reduce(x)  # synchronous, on the group's own worker thread
+        return fut.value()[0] + x
+
+    chained = pg.all_reduce(torch.ones(5), async_op=True).get_future().then(then)
+    n = float(ctx.world_size)
+    check_equal(chained.wait(), torch.full((5,), 2 * n), "collective inside a callback")
+    check_equal(x, torch.full((5,), n), "the callback's all_reduce")
+
+
+def _half_types_accumulate_in_fp32(ctx: RankContext, group: str) -> None:
+    # Rank 0 holds 2048, the others 1: rounding each partial sum to half
+    # precision would lose the ones; accumulating in fp32 keeps them.
+    n = ctx.world_size
+    for dtype in (torch.float16, torch.bfloat16):
+        expected = torch.full((1001,), 2048.0 + n - 1).to(dtype)
+        t = torch.full((1001,), 2048.0 if ctx.rank == 0 else 1.0, dtype=dtype)
+        ctx.groups[group].all_reduce(t)
+        check_equal(t, expected, f"{dtype} sum in {group}")
+
+
+def _random_floats(ctx: RankContext, group: str) -> list:
+    # Non-integer values: the result depends on the order of additions, which
+    # must be the same on every rank.
+    gen = torch.Generator().manual_seed(1234 + ctx.rank)
+    digests = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT):
+            t = torch.randn(70001, generator=gen).to(dtype)
+            ctx.groups[group].all_reduce(t, op)
+            digests.append(digest(t))
+    return digests
+
+
+def _no_segment_in_dev_shm(ctx: RankContext) -> list:
+    from harness import pyddp_segments
+
+    return pyddp_segments()
 
 
 def _barrier_orders(ctx: RankContext) -> tuple:
@@ -247,8 +311,7 @@ def _agrees_with_gloo(ctx: RankContext) -> None:
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_all_reduce_every_dtype_and_op(ranks, group):
-    digests = ranks.run(_all_reduce_cases, group)
-    assert all(d == digests[0] for d in digests), "results differ bitwise between ranks"
+    ranks.run(_all_reduce_cases, group)
 
 
 @pytest.mark.parametrize("group", ["auto", "ring"])
@@ -278,6 +341,29 @@ def test_async_work_and_futures(ranks):
     ranks.run(_async_work)
 
 
+def test_future_is_ready_when_wait_returns(ranks):
+    ranks.run(_future_ready_after_wait)
+
+
+def test_synchronous_collective_inside_a_future_callback(ranks):
+    ranks.run(_collective_inside_callback)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_half_types_accumulate_in_fp32_on_every_path(ranks, group):
+    ranks.run(_half_types_accumulate_in_fp32, group)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_results_are_bitwise_identical_across_ranks(ranks, group):
+    digests = ranks.run(_random_floats, group)
+    assert all(d == digests[0] for d in digests)
+
+
+def test_segments_are_unlinked_once_every_rank_connected(ranks):
+    assert ranks.run(_no_segment_in_dev_shm) == [[]] * ranks.world_size
+
+
 def test_barrier_waits_for_every_rank(ranks):
     times = ranks.run(_barrier_orders)
     last_entry = max(entered for entered, _ in times)
@@ -286,3 +372,26 @@ def test_barrier_waits_for_every_rank(ranks):
 
 def test_agrees_with_torch_gloo(ranks):
     ranks.run(_agrees_with_gloo)
+
+
+def test_world_size_one_runs_every_collective_locally():
+    pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for algo_count in (3, 100_000):
+            t = torch.arange(algo_count, dtype=torch.float32)
+            pg.all_reduce(t, ReduceOp.AVG)
+            check_equal(t, torch.arange(algo_count, dtype=torch.float32), "all_reduce")
+            out = torch.zeros(algo_count)
+            pg.all_gather_single(out, t)
+            check_equal(out, t, "all_gather_single")
+            parts = [torch.zeros(algo_count)]
+            pg.all_gather(parts, t)
+            check_equal(parts[0], t, "all_gather")
+            pg.broadcast(t, 0)
+            check_equal(t, torch.arange(algo_count, dtype=torch.float32), "broadcast")
+            rs = torch.zeros(algo_count)
+            pg.reduce_scatter_single(rs, t, ReduceOp.MAX)
+            check_equal(rs, t, "reduce_scatter_single")
+            pg.barrier()
+    finally:
+        pg.shutdown()

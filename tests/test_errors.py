@@ -8,9 +8,9 @@ that dies, a rank that never joins, and shared-memory hygiene throughout.
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import os
 import re
-import stat
 import tempfile
 import threading
 import time
@@ -101,36 +101,56 @@ def test_bad_settings_in_environment(monkeypatch):
         pyddp.RingOptions()
 
 
-def test_rank_that_never_joins_is_named_and_segment_is_private_and_removed():
+def test_rank_that_never_joins_is_named_and_nothing_is_left():
     path = tempfile.mktemp(prefix="pyddp-join-")
-    seen = {}
-
-    def watch():
-        deadline = time.time() + 10
-        while time.time() < deadline and "mode" not in seen:
-            for name in pyddp_segments():
-                try:
-                    seen["mode"] = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
-                    seen["name"] = name
-                except FileNotFoundError:
-                    continue
-            time.sleep(0.01)
-
     before = set(pyddp_segments())
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     start = time.monotonic()
     try:
         with pytest.raises(dist.DistBackendError, match="rank 1 did not join the process group"):
             pyddp.new_group("shm", store=dist.FileStore(path, 2), rank=0, world_size=2,
                             timeout=SHORT)
     finally:
-        watcher.join()
         if os.path.exists(path):
             os.remove(path)
     assert time.monotonic() - start < 15
-    assert seen.get("mode") == 0o600, seen
-    assert re.fullmatch(r"pyddp-[0-9a-f]{16,}", seen["name"]), seen
+    assert set(pyddp_segments()) == before
+
+
+def test_segments_are_private_unguessable_and_removed():
+    before = set(pyddp_segments())
+    names = set()
+    for _ in range(3):
+        name, mode = pyddp._C._testing.probe_shm_segment()
+        assert mode == 0o600, oct(mode)
+        assert re.fullmatch(r"/pyddp-[0-9a-f]{16,}", name), name
+        names.add(name)
+    assert len(names) == 3
+    assert set(pyddp_segments()) == before
+
+
+def _join_alone_then_get_killed(path: str) -> None:
+    pyddp.new_group("shm", store=dist.FileStore(path, 2), rank=0, world_size=2,
+                    timeout=datetime.timedelta(seconds=60))
+
+
+def test_rank_killed_while_waiting_for_peers_leaves_no_segment():
+    path = tempfile.mktemp(prefix="pyddp-kill-")
+    before = set(pyddp_segments())
+    proc = mp.get_context("spawn").Process(target=_join_alone_then_get_killed, args=(path,))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside new_group, waiting for rank 1
+        proc.kill()
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        if os.path.exists(path):
+            os.remove(path)
     assert set(pyddp_segments()) == before
 
 
@@ -262,3 +282,195 @@ def test_dead_rank_is_named_quickly():
         assert elapsed < 20, elapsed
     finally:
         pool.close()
+
+
+def _mismatch_fields(ctx: RankContext) -> list:
+    """One mismatch per descriptor field; each on a fresh group (a mismatch breaks it)."""
+    n, r = ctx.world_size, ctx.rank
+    calls = [
+        ("dtype", lambda pg: pg.all_reduce(torch.ones(4, dtype=torch.float32 if r else
+                                                       torch.float64))),
+        ("op", lambda pg: pg.all_reduce(torch.ones(4), ReduceOp.MAX if r else ReduceOp.SUM)),
+        ("root", lambda pg: pg.broadcast(torch.ones(4), r)),
+    ]
+    messages = []
+    for field, call in calls:
+        pg = _group(ctx, f"mismatch-{field}")
+        messages.append(_raises(dist.DistBackendError, "differs between ranks", call, pg))
+    # The algorithm is part of the call too: ranks configured differently
+    # (PYDDP_ALGO) must not run different algorithms against each other.
+    options = pyddp.RingOptions()
+    options.algo = pyddp._C.Algo.DIRECT if r == 0 else pyddp._C.Algo.RING
+    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("mismatch-algo"), n),
+                         rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
+                         options=options)
+    ctx.groups["mismatch-algo"] = pg
+    messages.append(_raises(dist.DistBackendError, "differs between ranks", pg.all_reduce,
+                            torch.ones(4)))
+    return messages
+
+
+def _mismatched_geometry(ctx: RankContext) -> str:
+    options = pyddp.RingOptions()
+    options.slot_bytes = 128 * (ctx.rank + 1)
+    return _raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
+                   store=dist.FileStore(ctx.store_path("geometry"), ctx.world_size),
+                   rank=ctx.rank, world_size=ctx.world_size,
+                   timeout=datetime.timedelta(seconds=30), options=options)
+
+
+def _overlapping_output(ctx: RankContext) -> None:
+    pg = _group(ctx, "overlap")
+    _raises(ValueError, f"rank {ctx.rank}: all_reduce: tensor has elements that share memory",
+            pg.all_reduce, torch.ones(1).expand(4))
+    _raises(ValueError, "broadcast: tensor has elements that share memory", pg.broadcast,
+            torch.ones(1).expand(4), 0)
+    t = torch.ones(4)
+    pg.all_reduce(t)  # refused calls never reached the peers
+    assert torch.equal(t, torch.full((4,), float(ctx.world_size)))
+
+
+def _gil_released_while_waiting(ctx: RankContext) -> int:
+    pg = _group(ctx, "gil")
+    if ctx.rank == 1:
+        time.sleep(1.0)
+        pg.all_reduce(torch.ones(4))
+        return 0
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    pg.all_reduce(torch.ones(4))  # blocks about a second for rank 1
+    stop.set()
+    thread.join()
+    return ticks[0]
+
+
+def _wait_with_timeout(ctx: RankContext) -> None:
+    pg = _group(ctx, "wait-timeout")
+    if ctx.rank == 1:
+        time.sleep(1.5)
+    work = pg.all_reduce(torch.ones(4), async_op=True)
+    if ctx.rank == 0:
+        _raises(dist.DistBackendError, "rank 0: all_reduce #1 did not complete within the 100 ms "
+                "given to Work.wait", work.wait, datetime.timedelta(milliseconds=100))
+    assert work.wait(datetime.timedelta(seconds=30))
+    assert work.get_future().value()[0].tolist() == [2.0] * 4
+
+
+def _destroy_with_pending_work(ctx: RankContext) -> tuple:
+    pg = _group(ctx, "destroy", timeout=datetime.timedelta(seconds=60))
+    if ctx.rank == 1:
+        return None, 0.0  # never joins these collectives
+    running = pg.all_reduce(torch.ones(100), async_op=True)
+    queued = pg.all_reduce(torch.ones(100), async_op=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    pg.shutdown()
+    elapsed = time.monotonic() - start
+    first = _raises(dist.DistBackendError, "destroyed while all_reduce #1 waited", running.wait)
+    _raises(dist.DistBackendError, "destroyed before all_reduce #2 ran", queued.wait)
+    _raises(RuntimeError, "destroyed", pg.all_reduce, torch.ones(1))
+    return first, elapsed
+
+
+def _give_up_travels(ctx: RankContext) -> tuple:
+    # Rank 1 waits 1 s for rank 0, gives up, and says so; rank 0 arrives
+    # later with a 60 s timeout and must fail at once, naming rank 1's reason.
+    timeout = datetime.timedelta(seconds=60 if ctx.rank == 0 else 1)
+    options = pyddp.RingOptions()
+    options.algo = pyddp._C.Algo.RING
+    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("give-up"), ctx.world_size),
+                         rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
+                         options=options)
+    ctx.groups["give-up"] = pg
+    if ctx.rank == 0:
+        time.sleep(2.5)
+    start = time.monotonic()
+    message = _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
+    return message, time.monotonic() - start
+
+
+def test_every_descriptor_field_is_checked(two):
+    for messages in two.run(_mismatch_fields):
+        dtype, op, root, algo = messages
+        assert "dtype=float64" in dtype and "dtype=float32" in dtype, dtype
+        assert "op=SUM" in op and "op=MAX" in op, op
+        assert "src=0" in root and "src=1" in root, root
+        assert "algo=direct" in algo and "algo=ring" in algo, algo
+
+
+def test_ranks_with_different_geometry_refuse_to_connect(two):
+    for message in two.run(_mismatched_geometry):
+        assert "slot_bytes 128 vs 256" in message or "slot_bytes 256 vs 128" in message, message
+
+
+def test_outputs_that_overlap_themselves_are_refused(two):
+    two.run(_overlapping_output)
+
+
+def test_blocking_collective_releases_the_gil(two):
+    ticks, _ = two.run(_gil_released_while_waiting)
+    assert ticks > 1000, ticks
+
+
+def test_work_wait_timeout_names_the_call(two):
+    two.run(_wait_with_timeout)
+
+
+def test_destroy_fails_running_and_queued_work_quickly(two):
+    (message, elapsed), _ = two.run(_destroy_with_pending_work)
+    assert elapsed < 5, elapsed
+
+
+def test_a_rank_that_gives_up_fails_its_peers_at_once(two):
+    (message0, elapsed0), (message1, _) = two.run(_give_up_travels)
+    assert "rank 0 did not arrive at all_reduce #1" in message1, message1
+    assert "rank 1 gave up on collective #1" in message0, message0
+    assert "rank 0 did not arrive" in message0, message0
+    assert elapsed0 < 10, elapsed0
+
+
+def _broadcast_then_exit(ctx: RankContext) -> None:
+    pg = _group(ctx, "leave-early")
+    pg.broadcast(torch.arange(4_000_000, dtype=torch.float32), 0)
+    os._exit(0)  # done with its part; the others may still be copying
+
+
+def _receive_broadcast(ctx: RankContext) -> bool:
+    pg = _group(ctx, "leave-early")
+    t = torch.zeros(4_000_000)
+    pg.broadcast(t, 0)
+    return bool(torch.equal(t, torch.arange(4_000_000, dtype=torch.float32)))
+
+
+def test_a_rank_that_finished_and_exited_is_not_blamed():
+    pool = Ranks(3)
+    try:
+        died, ok1, ok2 = pool.run_each([_broadcast_then_exit, _receive_broadcast,
+                                        _receive_broadcast], allow_dead=True)
+        assert isinstance(died, Died) and died.exitcode == 0
+        assert ok1 and ok2
+    finally:
+        pool.close()
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PYDDP_SLOT_BYTES", "4096")
+    monkeypatch.setenv("PYDDP_NUM_SLOTS", "3")
+    monkeypatch.setenv("PYDDP_DIRECT_MAX_BYTES", "0")
+    monkeypatch.setenv("PYDDP_ALGO", "ring")
+    options = pyddp.RingOptions()
+    assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo) == (
+        4096, 3, 0, pyddp._C.Algo.RING)
+    pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp._C.Algo.RING
+    finally:
+        pg.shutdown()
+    assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"

@@ -64,16 +64,19 @@ def _cases():
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
-def test_reduce2_matches_torch(dtype, op):
+def test_ring_kernels_match_torch(dtype, op):
     red = getattr(_C.RedOp, op)
+    acc = _acc(dtype)
     for n in LENGTHS:
-        a, b = _values(dtype, n, 1), _values(dtype, n, 2)
-        for finish in (False, True):
-            _same(k.reduce2(red, 3, finish, a, b), _reference(op, dtype, [a, b], 3, finish))
-        out0, out1 = k.reduce2_dual(red, 3, a, b)
-        expected = _reference(op, dtype, [a, b], 3)
-        _same(out0, expected)
-        _same(out1, expected)
+        a, b, c = _values(dtype, n, 1), _values(dtype, n, 2), _values(dtype, n, 3)
+        partial = k.to_partial(a)
+        _same(partial, a.to(acc))
+        partial = k.reduce_partial(red, 3, partial, b)
+        _same(partial, _combine(op, a.to(acc), b.to(acc)))
+        out, out2 = k.reduce_final(red, 3, partial, c)
+        expected = _reference(op, dtype, [a, b, c], 3)
+        _same(out, expected)
+        _same(out2, expected)
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
@@ -85,27 +88,33 @@ def test_reduce_n_matches_torch_in_source_order(dtype, op):
             _same(k.reduce_n(red, nsrc, sources), _reference(op, dtype, sources, nsrc))
 
 
-def test_half_types_accumulate_in_fp32():
-    # 2048 + 1 + 1 in fp16 step by step gives 2048; accumulated in fp32 and
-    # rounded once it gives 2050.
-    sources = [torch.tensor([2048.0], dtype=torch.float16), torch.tensor([1.0], dtype=torch.float16),
-               torch.tensor([1.0], dtype=torch.float16)]
-    assert k.reduce_n(_C.RedOp.SUM, 3, sources).item() == 2050.0
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_types_accumulate_in_fp32(dtype):
+    # 2048 + 1 + 1 rounded to fp16 at every step gives 2048; accumulated in
+    # fp32 and rounded once it gives 2050. The ring and direct kernels agree.
+    big, one = torch.tensor([2048.0], dtype=dtype), torch.tensor([1.0], dtype=dtype)
+    exact = torch.tensor([2050.0]).to(dtype).item()
+    assert k.reduce_n(_C.RedOp.SUM, 3, [big, one, one]).item() == exact
+    ring = k.reduce_final(_C.RedOp.SUM, 3, k.reduce_partial(_C.RedOp.SUM, 3,
+                                                            k.to_partial(big), one), one)[0]
+    assert ring.item() == exact
 
 
 def test_integers_wrap_around():
-    a = torch.tensor([100, -128, 127], dtype=torch.int8)
-    assert k.reduce2(_C.RedOp.SUM, 2, True, a, a).tolist() == [-56, 0, -2]
-    b = torch.tensor([2**31 - 1, 65536], dtype=torch.int32)
-    assert k.reduce2(_C.RedOp.PRODUCT, 2, True, b, b).tolist() == [1, 0]
-    u = torch.tensor([255], dtype=torch.uint8)
-    assert k.reduce2(_C.RedOp.SUM, 2, True, u, u).tolist() == [254]
+    def final(op, a):
+        return k.reduce_final(op, 2, a, a)[0].tolist()
+
+    assert final(_C.RedOp.SUM, torch.tensor([100, -128, 127], dtype=torch.int8)) == [-56, 0, -2]
+    assert final(_C.RedOp.PRODUCT, torch.tensor([2**31 - 1, 65536], dtype=torch.int32)) == [1, 0]
+    assert final(_C.RedOp.SUM, torch.tensor([255], dtype=torch.uint8)) == [254]
+    big = torch.tensor([2**62], dtype=torch.int64)
+    assert k.reduce_n(_C.RedOp.SUM, 4, [big] * 4).tolist() == [0]
 
 
 @pytest.mark.parametrize("op", ["MIN", "MAX"])
 def test_nan_wins_min_and_max(op):
     a = torch.tensor([float("nan"), 1.0, 2.0])
     b = torch.tensor([0.0, float("nan"), 1.0])
-    out = k.reduce2(getattr(_C.RedOp, op), 2, True, a, b)
+    out = k.reduce_final(getattr(_C.RedOp, op), 2, a, b)[0]
     assert out[0].isnan() and out[1].isnan()
     assert out[2].item() == (1.0 if op == "MIN" else 2.0)

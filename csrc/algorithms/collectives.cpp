@@ -19,8 +19,10 @@ const char* at(const void* base, size_t elem, size_t elemSize) {
   return static_cast<const char*>(base) + elem * elemSize;
 }
 
-size_t pieceElems(RingLink& link, size_t elemSize) {
-  return link.pieceBytes() / elemSize;
+// Elements per piece: a slot must hold a piece as partial results, which
+// are wider than elements for half types.
+size_t reducePieceElems(RingLink& link, DataType dtype) {
+  return link.pieceBytes() / kernels::partialSize(dtype);
 }
 
 } // namespace
@@ -30,7 +32,7 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
   RingLink& link = c.transport.ring();
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
-  const size_t pe = pieceElems(link, es);
+  const size_t pe = reducePieceElems(link, spec.dtype);
   // Piece p of block b: where it starts in the tensor and how long it is.
   auto slice = [&](int b, size_t p) {
     const Range blk = schedule::balancedBlock(count, n, b);
@@ -47,7 +49,7 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
   for (size_t p = 0; p < pieces; ++p) {
     // reduce phase, step 0: send my own block
     Range s = slice(schedule::sendBlock(r, 0, n, 0), p);
-    if (s.count) link.send(at(in, s.begin, es), s.count * es);
+    if (s.count) link.sendPartial(spec, at(in, s.begin, es), s.count);
     // steps 1..n-2: add my share to the partial sum and pass it on
     for (int step = 0; step < n - 2; ++step) {
       s = slice(schedule::recvBlock(r, step, n, 0), p);
@@ -96,7 +98,7 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   RingLink& link = c.transport.ring();
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(dtype);
-  const size_t pe = pieceElems(link, es);
+  const size_t pe = link.pieceBytes() / es;
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
   // my own block needs no transport
@@ -125,7 +127,7 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
   RingLink& link = c.transport.ring();
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
-  const size_t pe = pieceElems(link, es);
+  const size_t pe = reducePieceElems(link, spec.dtype);
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
   if (n == 1) {
@@ -136,7 +138,8 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
   for (size_t p = 0; p < pieces; ++p) {
     const Range pc = schedule::piece(blockCount, pe, p);
     // step 0: send the block that will end on my left neighbour
-    link.send(at(inBlocks[schedule::sendBlock(r, 0, n, -1)], pc.begin, es), pc.count * es);
+    link.sendPartial(spec, at(inBlocks[schedule::sendBlock(r, 0, n, -1)], pc.begin, es),
+                     pc.count);
     // steps 1..n-2: add my share to the partial sum and pass it on
     for (int step = 0; step < n - 2; ++step) {
       const int b = schedule::recvBlock(r, step, n, -1);

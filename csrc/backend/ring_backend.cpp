@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <ATen/MemoryOverlap.h>
+
 #include <cstring>
 
 #include "common/check.h"
@@ -83,6 +85,9 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
   const Ms timeout(options_.timeoutMs);
+  // Wait for every rank before creating anything: a rank killed while
+  // others are still missing leaves no shared memory behind.
+  exchange(*store, "shm/hello", "", rank, size, timeout);
   transport_ = std::make_unique<shm::ShmTransport>(rank, size, options_);
   // phase 1: publish what peers need to reach us, learn theirs
   const auto blobs = exchange(*store, "shm/blob", transport_->setup(), rank, size, timeout);
@@ -90,7 +95,8 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   transport_->connect(blobs);
   exchange(*store, "shm/connected", "", rank, size, timeout);
   transport_->connected();
-  worker_ = std::thread([this] { workerLoop(); });
+  worker_ = std::thread(workerLoop, exec_, this);
+  exec_->workerId = worker_.get_id();
 }
 
 RingBackend::~RingBackend() {
@@ -100,58 +106,88 @@ RingBackend::~RingBackend() {
 void RingBackend::shutdown() {
   std::deque<Job> dropped;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    dropped.swap(queue_);
+    std::lock_guard<std::mutex> lock(exec_->mu);
+    exec_->stop = true;
+    dropped.swap(exec_->queue);
   }
-  cv_.notify_all();
+  exec_->cv.notify_all();
+  if (transport_) transport_->abort();
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
         c10::str("pyddp: rank ", rank_, ": the process group was destroyed before ",
                  toString(job.desc.kind), " #", job.desc.seq, " ran"))));
   }
-  if (worker_.joinable()) worker_.join();
-}
-
-void RingBackend::workerLoop() {
-  pthread_setname_np(pthread_self(), "pyddp-worker");
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !busy_); });
-    if (stop_) return;
-    Job job = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    run(job);
-    lock.lock();
-    busy_ = false;
-    cv_.notify_all();
+  if (!worker_.joinable()) return;
+  if (std::this_thread::get_id() == worker_.get_id()) {
+    // Destroyed from a future callback: the worker leaves its loop once the
+    // callback returns, touching only the shared Executor.
+    worker_.detach();
+  } else {
+    worker_.join();
   }
 }
 
-c10::intrusive_ptr<c10d::Work> RingBackend::submit(
-    CollectiveDesc desc, c10d::OpType type, std::vector<at::Tensor> outputs,
-    Body body, bool asyncOp) {
-  auto work = c10::make_intrusive<RingWork>(rank_, type, std::move(outputs));
-  Job job{desc, std::move(body), work};
-  std::unique_lock<std::mutex> lock(mu_);
-  PYDDP_CHECK(!stop_, "rank ", rank_, ": ", toString(desc.kind),
-              " on a process group that was destroyed");
-  job.desc.seq = nextSeq_++;
-  if (!asyncOp && queue_.empty() && !busy_) {
-    // Nothing is ahead of this call: run it here, keeping call order.
+namespace {
+// Marks the executor busy for one job, whatever the job throws.
+class BusyScope {
+ public:
+  BusyScope(std::unique_lock<std::mutex>& lock, bool& busy, std::condition_variable& cv)
+      : lock_(lock), busy_(busy), cv_(cv) {
     busy_ = true;
-    lock.unlock();
-    run(job);
-    lock.lock();
+    lock_.unlock();
+  }
+  ~BusyScope() {
+    lock_.lock();
     busy_ = false;
     cv_.notify_all();
+  }
+
+ private:
+  std::unique_lock<std::mutex>& lock_;
+  bool& busy_;
+  std::condition_variable& cv_;
+};
+} // namespace
+
+void RingBackend::workerLoop(std::shared_ptr<Executor> exec, RingBackend* backend) {
+  pthread_setname_np(pthread_self(), "pyddp-worker");
+  std::unique_lock<std::mutex> lock(exec->mu);
+  while (true) {
+    exec->cv.wait(lock, [&] { return exec->stop || (!exec->queue.empty() && !exec->busy); });
+    if (exec->stop) return;
+    Job job = std::move(exec->queue.front());
+    exec->queue.pop_front();
+    BusyScope busy(lock, exec->busy, exec->cv);
+    backend->run(job);  // `backend` may be gone once this returns
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::submit(CollectiveDesc desc,
+                                                   std::vector<at::Tensor> outputs,
+                                                   Transfer transfer, Finish finish,
+                                                   bool asyncOp) {
+  std::unique_lock<std::mutex> lock(exec_->mu);
+  PYDDP_CHECK(!exec_->stop, "rank ", rank_, ": ", toString(desc.kind),
+              " on a process group that was destroyed");
+  desc.seq = exec_->nextSeq++;
+  auto work = c10::make_intrusive<RingWork>(rank_, desc, std::move(outputs), exec_->workerId);
+  Job job{desc, std::move(transfer), std::move(finish), work};
+  if (!asyncOp && std::this_thread::get_id() == exec_->workerId) {
+    // A future callback (on the worker, inside the job that just finished
+    // its transfer) waits for this call: queueing it would deadlock.
+    lock.unlock();
+    run(job);
     return work;
   }
-  queue_.push_back(std::move(job));
-  cv_.notify_all();
+  if (!asyncOp && exec_->queue.empty() && !exec_->busy) {
+    // Nothing is ahead of this call: run it here, keeping call order.
+    BusyScope busy(lock, exec_->busy, exec_->cv);
+    run(job);
+    return work;
+  }
+  exec_->queue.push_back(std::move(job));
+  exec_->cv.notify_all();
   return work;
 }
 
@@ -163,12 +199,19 @@ void RingBackend::run(Job& job) {
                      "); destroy it and create a new one");
     const algorithms::Call call{*transport_, job.desc,
                                 Clock::now() + Ms(options_.timeoutMs), rank_, size_};
-    job.body(call);
-    job.work->complete();
-  } catch (const std::exception& e) {
-    if (brokenBy_.empty()) brokenBy_ = e.what();
+    try {
+      job.transfer(call);
+    } catch (const std::exception& e) {
+      brokenBy_ = e.what();
+      transport_->abandon(brokenBy_);
+      throw;
+    }
+    job.finish();
+  } catch (const std::exception&) {
     job.work->fail(std::current_exception());
+    return;
   }
+  job.work->complete();
 }
 
 DataType RingBackend::checkTensor(const at::Tensor& t, const char* call,
@@ -186,6 +229,13 @@ DataType RingBackend::checkTensor(const at::Tensor& t, const char* call,
   return *dtype;
 }
 
+void RingBackend::checkWritable(const at::Tensor& t, const char* call,
+                                const char* what) const {
+  PYDDP_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "rank ", rank_,
+                    ": ", call, ": ", what, " has elements that share memory (an "
+                    "expand()ed view?); results cannot be written into it");
+}
+
 void RingBackend::checkOp(RedOp op, DataType dtype, const char* call) const {
   PYDDP_CHECK_TYPE(op != RedOp::Avg || isFloating(dtype), "rank ", rank_, ": ", call,
                    ": ReduceOp.AVG needs a floating-point tensor, got ",
@@ -199,6 +249,7 @@ kernels::ReduceSpec RingBackend::spec(DataType dtype, RedOp op) const {
 c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
                                                       RedOp op, bool asyncOp) {
   const DataType dtype = checkTensor(tensor, "all_reduce", "tensor");
+  checkWritable(tensor, "all_reduce", "tensor");
   checkOp(op, dtype, "all_reduce");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
@@ -210,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
   return submit(
       makeDesc(CollectiveKind::AllReduce, count, dtype, op, -1,
                direct ? Algo::Direct : Algo::Ring),
-      c10d::OpType::ALLREDUCE, {tensor},
+      {tensor},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
         if (direct) {
@@ -218,9 +269,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
         } else {
           algorithms::ringAllReduce(c, s, data, data, count);
         }
-        copyBack(tensor, buf);
       },
-      asyncOp);
+      [=] { copyBack(tensor, buf); }, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& output,
@@ -230,6 +280,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& ou
   PYDDP_CHECK_TYPE(checkTensor(output, "all_gather_single", "output") == dtype,
                    "rank ", rank_, ": all_gather_single: output dtype ",
                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  checkWritable(output, "all_gather_single", "output");
   const size_t count = input.numel();
   PYDDP_CHECK_VALUE(static_cast<size_t>(output.numel()) == count * size_, "rank ", rank_,
                     ": all_gather_single: output has ", output.numel(),
@@ -239,17 +290,15 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& ou
   at::Tensor out = dense(output);
   const size_t es = elementSize(dtype);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), c10d::OpType::_ALLGATHER_BASE,
-      {output},
+      makeDesc(CollectiveKind::AllGather, count, dtype), {output},
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<char*>(out.data_ptr()) + b * count * es;
         }
         algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
-        copyBack(output, out);
       },
-      asyncOp);
+      [=] { copyBack(output, out); }, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherList(
@@ -267,16 +316,18 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherList(
     PYDDP_CHECK_VALUE(static_cast<size_t>(o.numel()) == count, "rank ", rank_,
                       ": all_gather: tensor_list entry has ", o.numel(),
                       " elements, expected ", count, " (the input's)");
+    checkWritable(o, "all_gather", "tensor_list entry");
     outs.push_back(dense(o));
   }
   const at::Tensor in = dense(input);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), c10d::OpType::ALLGATHER,
-      outputs,
+      makeDesc(CollectiveKind::AllGather, count, dtype), outputs,
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
         algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
+      },
+      [=, this] {
         for (int b = 0; b < size_; ++b) copyBack(outputs[b], outs[b]);
       },
       asyncOp);
@@ -285,18 +336,17 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherList(
 c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tensor,
                                                           int src, bool asyncOp) {
   const DataType dtype = checkTensor(tensor, "broadcast", "tensor");
+  checkWritable(tensor, "broadcast", "tensor");
   PYDDP_CHECK_VALUE(src >= 0 && src < size_, "rank ", rank_, ": broadcast: src=", src,
                     " is not a rank of this group (world_size ", size_, ")");
   const size_t count = tensor.numel();
   at::Tensor buf = dense(tensor);
   return submit(
-      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src),
-      c10d::OpType::BROADCAST, {tensor},
-      [=, this](const algorithms::Call& c) {
+      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor},
+      [=](const algorithms::Call& c) {
         algorithms::chainBroadcast(c, buf.data_ptr(), count * elementSize(dtype), src);
-        copyBack(tensor, buf);
       },
-      asyncOp);
+      [=] { copyBack(tensor, buf); }, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
@@ -305,6 +355,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
   PYDDP_CHECK_TYPE(checkTensor(output, "reduce_scatter_single", "output") == dtype,
                    "rank ", rank_, ": reduce_scatter_single: output dtype ",
                    output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  checkWritable(output, "reduce_scatter_single", "output");
   checkOp(op, dtype, "reduce_scatter_single");
   const size_t count = output.numel();
   PYDDP_CHECK_VALUE(static_cast<size_t>(input.numel()) == count * size_, "rank ", rank_,
@@ -316,23 +367,20 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
   const auto s = spec(dtype, op);
   const size_t es = elementSize(dtype);
   return submit(
-      makeDesc(CollectiveKind::ReduceScatter, count, dtype, op),
-      c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+      makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), {output},
       [=, this](const algorithms::Call& c) {
         std::vector<const void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
         }
         algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
-        copyBack(output, out);
       },
-      asyncOp);
+      [=] { copyBack(output, out); }, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrierAll(bool asyncOp) {
-  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8),
-                c10d::OpType::BARRIER, {},
-                [](const algorithms::Call& c) { algorithms::barrier(c); }, asyncOp);
+  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {},
+                [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, asyncOp);
 }
 
 } // namespace pyddp

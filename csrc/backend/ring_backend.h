@@ -51,40 +51,52 @@ class RingBackend final : public c10d::Backend {
                                                      RedOp op, bool asyncOp);
   c10::intrusive_ptr<c10d::Work> barrierAll(bool asyncOp);
 
-  // Stops the worker; queued collectives fail, a running one finishes or
-  // times out. Idempotent; the destructor calls it.
+  // Stops the worker and makes a running collective fail within
+  // milliseconds; queued collectives fail. Idempotent; the destructor calls it.
   void shutdown();
 
  private:
-  using Body = std::function<void(const algorithms::Call&)>;
+  // Moves the bytes; runs inside the transport, so a failure leaves the
+  // transport out of step with the peers.
+  using Transfer = std::function<void(const algorithms::Call&)>;
+  // Local work after the transfer (copying results back into the tensors).
+  using Finish = std::function<void()>;
   struct Job {
     CollectiveDesc desc;
-    Body body;
+    Transfer transfer;
+    Finish finish;
     c10::intrusive_ptr<RingWork> work;
   };
+  // Queue and worker state, shared with the worker thread so that it stays
+  // valid when the group is destroyed from one of its own future callbacks
+  // (which run on the worker thread).
+  struct Executor {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Job> queue;  // mu
+    bool busy = false;      // mu; a job is running (worker or caller)
+    bool stop = false;      // mu
+    uint64_t nextSeq = 1;   // mu; assigned in call order
+    std::thread::id workerId;
+  };
 
-  c10::intrusive_ptr<c10d::Work> submit(CollectiveDesc desc, c10d::OpType type,
-                                        std::vector<at::Tensor> outputs, Body body,
-                                        bool asyncOp);
+  c10::intrusive_ptr<c10d::Work> submit(CollectiveDesc desc,
+                                        std::vector<at::Tensor> outputs,
+                                        Transfer transfer, Finish finish, bool asyncOp);
   void run(Job& job);
-  void workerLoop();
+  static void workerLoop(std::shared_ptr<Executor> exec, RingBackend* backend);
 
   // Argument checks shared by every call; messages name rank and call.
   DataType checkTensor(const at::Tensor& t, const char* call, const char* what) const;
+  void checkWritable(const at::Tensor& t, const char* call, const char* what) const;
   void checkOp(RedOp op, DataType dtype, const char* call) const;
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
 
   const RingOptions options_;
   std::unique_ptr<Transport> transport_;
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> queue_;    // guarded by mu_
-  bool busy_ = false;        // a job is running (worker or caller); mu_
-  bool stop_ = false;        // mu_
-  uint64_t nextSeq_ = 1;     // mu_; assigned in call order
-  // Set by the running job only (busy_ serialises jobs): the failure that
-  // left the transport's counters out of step with the peers.
+  std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();
+  // Set by the running job only (busy serialises jobs): the failure that
+  // left the transport out of step with the peers.
   std::string brokenBy_;
   std::thread worker_;
 };

@@ -1,13 +1,59 @@
 #include "backend/work.h"
 
-namespace pyddp {
+#include "common/check.h"
 
-RingWork::RingWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type),
+namespace pyddp {
+namespace {
+
+c10d::OpType opType(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllReduce: return c10d::OpType::ALLREDUCE;
+    case CollectiveKind::AllGather: return c10d::OpType::ALLGATHER;
+    case CollectiveKind::Broadcast: return c10d::OpType::BROADCAST;
+    case CollectiveKind::ReduceScatter: return c10d::OpType::REDUCE_SCATTER;
+    case CollectiveKind::Barrier: return c10d::OpType::BARRIER;
+  }
+  return c10d::OpType::UNKNOWN;
+}
+
+} // namespace
+
+RingWork::RingWork(int rank, const CollectiveDesc& desc, std::vector<at::Tensor> outputs,
+                   std::thread::id workerId)
+    : c10d::Work(rank, opType(desc.kind)),
+      desc_(desc),
+      workerId_(workerId),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
+bool RingWork::wait(std::chrono::milliseconds timeout) {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!completed_) {
+      PYDDP_CHECK(std::this_thread::get_id() != workerId_, "rank ", rank_,
+                  ": waiting for ", toString(desc_.kind), " #", desc_.seq,
+                  " inside a future callback of the same process group would deadlock "
+                  "(callbacks run on the thread that runs the collectives); chain it "
+                  "with get_future().then(...) instead");
+      if (timeout == kNoTimeout) {
+        cv_.wait(lock, [&] { return completed_; });
+      } else {
+        PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }),
+                         "rank ", rank_, ": ", toString(desc_.kind), " #", desc_.seq,
+                         " did not complete within the ", timeout.count(),
+                         " ms given to Work.wait(); it is still running");
+      }
+    }
+    if (exception_) std::rethrow_exception(exception_);
+  }
+  // complete() marks the Work done before the future; wait for both.
+  future_->wait();
+  return true;
+}
+
+// The Work completes first: a future callback that waits for this Work
+// (on the worker thread) then finds it done.
 void RingWork::complete() {
   finish();
   future_->markCompleted(c10::IValue(outputs_));

@@ -6,14 +6,24 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <thread>
 #include <vector>
+
+#include "common/types.h"
 
 namespace pyddp {
 
 class RingWork final : public c10d::Work {
  public:
-  RingWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  // `workerId` is the thread that runs the group's queued collectives and
+  // their future callbacks.
+  RingWork(int rank, const CollectiveDesc& desc, std::vector<at::Tensor> outputs,
+           std::thread::id workerId);
 
+  // Returns once the collective is done and its future is completed, so
+  // get_future().value() is ready; rethrows the collective's error. A
+  // timeout error names the rank and the call.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
 
@@ -21,6 +31,8 @@ class RingWork final : public c10d::Work {
   void fail(std::exception_ptr error);
 
  private:
+  const CollectiveDesc desc_;
+  const std::thread::id workerId_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

@@ -10,10 +10,9 @@ namespace kernels {
 namespace {
 
 template <typename T>
-Finish<acc_t<T>> finishFor(const ReduceSpec& spec, bool finish) {
+Finish<acc_t<T>> finishFor(const ReduceSpec& spec) {
   using A = acc_t<T>;
-  const bool divide = finish && spec.op == RedOp::Avg;
-  return Finish<A>{divide ? static_cast<A>(spec.worldSize) : A(0)};
+  return Finish<A>{spec.op == RedOp::Avg ? static_cast<A>(spec.worldSize) : A(0)};
 }
 
 // Calls body(T{}, Op{}) for the spec's element type and operator.
@@ -34,31 +33,51 @@ constexpr size_t kTileElems = 512;
 
 } // namespace
 
-void reduce2(const ReduceSpec& spec, bool finish, void* dst, const void* a,
-             const void* b, size_t count) {
+size_t partialSize(DataType t) {
+  size_t bytes = 0;
+  dispatchType(t, [&](auto v) { bytes = sizeof(acc_t<decltype(v)>); });
+  return bytes;
+}
+
+void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count) {
+  dispatchType(spec.dtype, [&](auto t) {
+    using T = decltype(t);
+    auto* d = static_cast<acc_t<T>*>(dst);
+    const auto* x = static_cast<const T*>(src);
+    for (size_t i = 0; i < count; ++i) d[i] = static_cast<acc_t<T>>(x[i]);
+  });
+}
+
+void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
+                   const void* local, size_t count) {
   dispatch(spec, [&](auto t, auto op) {
     using T = decltype(t);
-    const auto fin = finishFor<T>(spec, finish);
-    auto* d = static_cast<T*>(dst);
-    const auto* x = static_cast<const T*>(a);
-    const auto* y = static_cast<const T*>(b);
+    auto* d = static_cast<acc_t<T>*>(dst);
+    const auto* p = static_cast<const acc_t<T>*>(partial);
+    const auto* x = static_cast<const T*>(local);
     for (size_t i = 0; i < count; ++i) {
-      reduce2Elem(d, x, y, static_cast<int64_t>(i), op, fin);
+      reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
     }
   });
 }
 
-void reduce2Dual(const ReduceSpec& spec, void* dst0, void* dst1, const void* a,
-                 const void* b, size_t count) {
+void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* partial,
+                 const void* local, size_t count) {
   dispatch(spec, [&](auto t, auto op) {
     using T = decltype(t);
-    const auto fin = finishFor<T>(spec, true);
-    auto* d0 = static_cast<T*>(dst0);
-    auto* d1 = static_cast<T*>(dst1);
-    const auto* x = static_cast<const T*>(a);
-    const auto* y = static_cast<const T*>(b);
-    for (size_t i = 0; i < count; ++i) {
-      reduce2DualElem(d0, d1, x, y, static_cast<int64_t>(i), op, fin);
+    const auto fin = finishFor<T>(spec);
+    auto* d = static_cast<T*>(dst);
+    auto* d2 = static_cast<T*>(dst2);
+    const auto* p = static_cast<const acc_t<T>*>(partial);
+    const auto* x = static_cast<const T*>(local);
+    if (d2 == nullptr) {
+      for (size_t i = 0; i < count; ++i) {
+        d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
+      }
+    } else {
+      for (size_t i = 0; i < count; ++i) {
+        d[i] = d2[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
+      }
     }
   });
 }
@@ -69,7 +88,7 @@ void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
   dispatch(spec, [&](auto t, auto op) {
     using T = decltype(t);
     using A = acc_t<T>;
-    const auto fin = finishFor<T>(spec, true);
+    const auto fin = finishFor<T>(spec);
     auto* d = static_cast<T*>(dst);
     A acc[kTileElems];
     for (size_t base = 0; base < count; base += kTileElems) {

@@ -17,13 +17,19 @@ struct ReduceSpec {
   int worldSize;
 };
 
-// dst = a op b, finished (AVG divides) only when `finish` is true: partial
-// results travelling through a ring stay undivided.
-void reduce2(const ReduceSpec& spec, bool finish, void* dst, const void* a,
-             const void* b, size_t count);
-// dst0 = dst1 = finish(a op b).
-void reduce2Dual(const ReduceSpec& spec, void* dst0, void* dst1, const void* a,
-                 const void* b, size_t count);
+// Bytes of one partial result: acc_t of the element type (fp32 for half
+// types, the element type otherwise).
+size_t partialSize(DataType t);
+
+// dst (partials) = src (elements), converted: the start of a ring reduction.
+void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count);
+// dst (partials) = partial op local (elements).
+void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
+                   const void* local, size_t count);
+// dst (elements) = finish(partial op local); AVG divides here. When dst2 is
+// not null it receives the same elements.
+void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* partial,
+                 const void* local, size_t count);
 // dst = finish(src[0] op ... op src[nsrc-1]), in source order.
 void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count);

@@ -102,23 +102,22 @@ struct Finish {
   PYDDP_HD A operator()(A v) const { return divisor != A(0) ? v / divisor : v; }
 };
 
-// dst[i] = finish(a[i] op b[i]); dst may alias a or b exactly.
+// Partial results (what a ring passes between ranks before the reduction is
+// complete) are kept in acc_t<T>, so a ring accumulates half types in fp32
+// exactly as a direct reduction does, and rounds once at the end.
+
+// dst[i] = partial[i] op local[i], still a partial result.
 template <typename T, typename Op>
-PYDDP_HD inline void reduce2Elem(
-    T* dst, const T* a, const T* b, int64_t i, Op op, Finish<acc_t<T>> fin) {
-  using A = acc_t<T>;
-  dst[i] = static_cast<T>(fin(op(static_cast<A>(a[i]), static_cast<A>(b[i]))));
+PYDDP_HD inline void reducePartialElem(
+    acc_t<T>* dst, const acc_t<T>* partial, const T* local, int64_t i, Op op) {
+  dst[i] = op(partial[i], static_cast<acc_t<T>>(local[i]));
 }
 
-// dst0[i] = dst1[i] = finish(a[i] op b[i]).
+// The finished element finish(partial[i] op local[i]).
 template <typename T, typename Op>
-PYDDP_HD inline void reduce2DualElem(
-    T* dst0, T* dst1, const T* a, const T* b, int64_t i, Op op,
-    Finish<acc_t<T>> fin) {
-  using A = acc_t<T>;
-  const T v = static_cast<T>(fin(op(static_cast<A>(a[i]), static_cast<A>(b[i]))));
-  dst0[i] = v;
-  dst1[i] = v;
+PYDDP_HD inline T reduceFinalElem(
+    const acc_t<T>* partial, const T* local, int64_t i, Op op, Finish<acc_t<T>> fin) {
+  return static_cast<T>(fin(op(partial[i], static_cast<acc_t<T>>(local[i]))));
 }
 
 // Calls f.template operator()<T>() with T the C++ type of `t`.

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -73,27 +74,46 @@ std::string errnoText() {
   return std::strerror(errno);
 }
 
+// What a rank publishes about its segment. The geometry travels with it so
+// that every rank can refuse a mismatch before mapping anything.
 struct Blob {
   std::string segment;
   std::string hostId;
+  int pid = 0;
   size_t bytes = 0;
+  size_t slotBytes = 0;
+  int numSlots = 0;
+  size_t directBytes = 0;
 };
 
 std::string encodeBlob(const Blob& b) {
-  return b.segment + "\n" + b.hostId + "\n" + std::to_string(b.bytes);
+  std::ostringstream out;
+  out << b.segment << "\n" << b.hostId << "\n" << b.pid << " " << b.bytes << " "
+      << b.slotBytes << " " << b.numSlots << " " << b.directBytes;
+  return out.str();
 }
 
 Blob decodeBlob(const std::string& text) {
   std::istringstream in(text);
   Blob b;
-  std::string bytes;
   std::getline(in, b.segment);
   std::getline(in, b.hostId);
-  std::getline(in, bytes);
-  PYDDP_CHECK(!b.segment.empty() && !bytes.empty(),
-              "malformed shm bootstrap blob '", text, "'");
-  b.bytes = std::stoull(bytes);
+  in >> b.pid >> b.bytes >> b.slotBytes >> b.numSlots >> b.directBytes;
+  PYDDP_CHECK(!in.fail() && !b.segment.empty(), "malformed shm bootstrap blob '", text, "'");
   return b;
+}
+
+// False once `pid` has exited (a zombie counts as exited: its parent may
+// not have reaped it yet).
+bool processAlive(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return false;
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // "pid (comm) S ...": the state follows the last ')' (comm may hold ')').
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return true;
+  const char state = text[close + 2];
+  return state != 'Z' && state != 'X';
 }
 
 std::string describe(const WireDescriptor& d) {
@@ -130,6 +150,9 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
 
 ShmTransport::~ShmTransport() {
   if (linked_) shm_unlink(ownName_.c_str());
+  for (const auto& [name, pid] : unconnectedPeers_) {
+    if (!processAlive(pid)) shm_unlink(name.c_str());
+  }
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
   }
@@ -158,14 +181,16 @@ std::string ShmTransport::setup() {
   }
   PYDDP_CHECK(fd >= 0, "rank ", rank_, ": could not create a unique shm segment");
   linked_ = true;
-  const bool sized = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
-  const int sizeErrno = errno;
-  void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                     : MAP_FAILED;
+  // posix_fallocate, not ftruncate: on tmpfs a too-small /dev/shm then fails
+  // here with ENOSPC instead of with SIGBUS at the first touch of a page.
+  const int sizeErr = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  void* base = sizeErr == 0
+      ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+      : MAP_FAILED;
   const int mapErrno = errno;
   close(fd);
-  PYDDP_CHECK(sized, "rank ", rank_, ": sizing shm segment to ", bytes,
-              " bytes failed: ", std::strerror(sizeErrno),
+  PYDDP_CHECK(sizeErr == 0, "rank ", rank_, ": allocating a ", bytes,
+              "-byte shm segment failed: ", std::strerror(sizeErr),
               " (is /dev/shm large enough? lower PYDDP_SLOT_BYTES or PYDDP_NUM_SLOTS)");
   PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of shm segment failed: ",
               std::strerror(mapErrno));
@@ -181,7 +206,8 @@ std::string ShmTransport::setup() {
   h->directBytes = directBytes_;
   own.pid = h->pid;
   own.pidVisible = true;
-  return encodeBlob(Blob{ownName_, hostId_, bytes});
+  return encodeBlob(Blob{ownName_, hostId_, h->pid, bytes, slotBytes_, numSlots_,
+                          directBytes_});
 }
 
 std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const {
@@ -196,33 +222,45 @@ std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const
 void ShmTransport::connect(const std::vector<std::string>& blobs) {
   PYDDP_CHECK(static_cast<int>(blobs.size()) == worldSize_, "expected ",
               worldSize_, " bootstrap blobs, got ", blobs.size());
+  std::vector<Blob> peers(worldSize_);
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer == rank_) continue;
+    peers[peer] = decodeBlob(blobs[peer]);
+    unconnectedPeers_.emplace_back(peers[peer].segment, peers[peer].pid);
+  }
+  // Refuse before mapping anything, so every rank fails with the same reason.
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     const std::string why = whyNotConnect(peer, blobs[peer]);
     PYDDP_CHECK(why.empty(), "rank ", rank_, ": shm transport cannot reach ", why);
-    const Blob b = decodeBlob(blobs[peer]);
-    const int fd = shm_open(b.segment.c_str(), O_RDWR, 0);
+    const Blob& b = peers[peer];
+    PYDDP_CHECK_VALUE(
+        b.slotBytes == slotBytes_ && b.numSlots == numSlots_ && b.directBytes == directBytes_,
+        "rank ", rank_, " and rank ", peer,
+        " use different shm geometry (slot_bytes ", slotBytes_, " vs ", b.slotBytes,
+        ", num_slots ", numSlots_, " vs ", b.numSlots, ", direct_max_bytes ", directBytes_,
+        " vs ", b.directBytes,
+        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
+  }
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer == rank_) continue;
+    const Blob& b = peers[peer];
+    const int fd = shm_open(b.segment.c_str(), O_RDONLY, 0);
     PYDDP_CHECK(fd >= 0, "rank ", rank_, ": cannot open rank ", peer,
                 "'s shm segment ", b.segment, ": ", errnoText(),
                 " (do the ranks share /dev/shm?)");
-    void* base = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* base = mmap(nullptr, b.bytes, PROT_READ, MAP_SHARED, fd, 0);
     const int mapErrno = errno;
     close(fd);
     PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of rank ", peer,
                 "'s shm segment failed: ", std::strerror(mapErrno));
     Segment& s = segments_[peer] = mapSegment(base, b.bytes);
     const SegmentHeader& h = *s.header;
-    PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion && h.rank == peer,
+    PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion && h.rank == peer &&
+                    h.slotBytes == slotBytes_ && h.numSlots == numSlots_ &&
+                    h.directBytes == directBytes_,
                 "rank ", rank_, ": rank ", peer,
                 "'s shm segment has an unexpected layout (different pyddp versions?)");
-    PYDDP_CHECK_VALUE(
-        h.slotBytes == slotBytes_ && h.numSlots == numSlots_ &&
-            h.directBytes == directBytes_,
-        "rank ", rank_, " and rank ", peer,
-        " use different shm geometry (slot_bytes ", slotBytes_, " vs ", h.slotBytes,
-        ", num_slots ", numSlots_, " vs ", h.numSlots, ", direct_max_bytes ",
-        directBytes_, " vs ", h.directBytes,
-        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
     s.pid = h.pid;
     s.pidVisible = access(("/proc/" + std::to_string(h.pid)).c_str(), F_OK) == 0;
   }
@@ -233,30 +271,28 @@ void ShmTransport::connected() {
     shm_unlink(ownName_.c_str());
     linked_ = false;
   }
+  unconnectedPeers_.clear();  // each owner has unlinked its own
 }
 
 bool ShmTransport::peerAlive(int rank) const {
   const Segment& s = segments_[rank];
-  if (!s.pidVisible) return true;
-  std::ifstream stat("/proc/" + std::to_string(s.pid) + "/stat");
-  if (!stat) return false;
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  // "pid (comm) S ...": the state follows the last ')' (comm may hold ')').
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos || close + 2 >= text.size()) return true;
-  const char state = text[close + 2];
-  return state != 'Z' && state != 'X';
+  return !s.pidVisible || processAlive(s.pid);
 }
 
 void ShmTransport::failIfStuck(int peer, Clock::time_point now) const {
   const std::string call = std::string(toString(current_.kind)) + " #" +
       std::to_string(current_.seq);
-  for (int k = 0; k < worldSize_; ++k) {
-    if (k != rank_ && !peerAlive(k)) {
-      PYDDP_CHECK_COMM(false, "rank ", k, " (pid ", segments_[k].pid,
-                       ") exited; rank ", rank_, " was waiting in ", call);
-    }
+  PYDDP_CHECK_COMM(!aborted_.load(std::memory_order_relaxed), "rank ", rank_,
+                   ": the process group was destroyed while ", call, " waited for rank ",
+                   peer);
+  const SegmentHeader& h = header(peer);
+  if (const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire)) {
+    PYDDP_CHECK_COMM(false, "rank ", peer, " gave up on collective #", failedIn,
+                     " while rank ", rank_, " waited for it in ", call, ": ",
+                     std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes)));
   }
+  PYDDP_CHECK_COMM(peerAlive(peer), "rank ", peer, " (pid ", segments_[peer].pid,
+                   ") exited; rank ", rank_, " was waiting for it in ", call);
   if (now < deadline_) return;
   std::vector<int> missing;
   for (int k = 0; k < worldSize_; ++k) {
@@ -292,10 +328,21 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
     // Reading the clock costs tens of cycles: do it every few spins.
     if (waited >= kSpinPhase || (i & 63) == 0) now = Clock::now();
     if (now >= nextCheck) {
+      // The peer may have finished its part and left since the last look.
+      if (ready()) return;
       failIfStuck(peer, now);
       nextCheck = now + kLivenessPeriod;
     }
   }
+}
+
+void ShmTransport::abandon(const std::string& why) {
+  SegmentHeader& own = *segments_[rank_].header;
+  if (own.failed.value.load(std::memory_order_relaxed) != 0) return;
+  const size_t n = std::min(why.size(), kFailureTextBytes - 1);
+  std::memcpy(own.failureText, why.data(), n);
+  own.failureText[n] = '\0';
+  own.failed.value.store(std::max<uint64_t>(current_.seq, 1), std::memory_order_release);
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
@@ -370,24 +417,30 @@ void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   releaseRecv();
 }
 
+void ShmTransport::sendPartial(const kernels::ReduceSpec& spec, const void* local,
+                               size_t count) {
+  kernels::toPartial(spec, claimSendSlot(), local, count);
+  postSend();
+}
+
 void ShmTransport::recvReduceSend(const kernels::ReduceSpec& spec,
                                   const void* local, size_t count) {
   const char* in = awaitRecvSlot();
-  kernels::reduce2(spec, /*finish=*/false, claimSendSlot(), in, local, count);
+  kernels::reducePartial(spec, claimSendSlot(), in, local, count);
   postSend();
   releaseRecv();
 }
 
 void ShmTransport::recvReduceCopy(const kernels::ReduceSpec& spec,
                                   const void* local, void* dst, size_t count) {
-  kernels::reduce2(spec, /*finish=*/true, dst, awaitRecvSlot(), local, count);
+  kernels::reduceFinal(spec, dst, nullptr, awaitRecvSlot(), local, count);
   releaseRecv();
 }
 
 void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec,
                                       const void* local, void* dst, size_t count) {
   const char* in = awaitRecvSlot();
-  kernels::reduce2Dual(spec, dst, claimSendSlot(), in, local, count);
+  kernels::reduceFinal(spec, dst, claimSendSlot(), in, local, count);
   postSend();
   releaseRecv();
 }

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -29,6 +30,8 @@ constexpr size_t kCacheLine = 64;
 constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 constexpr uint32_t kLayoutVersion = 1;
+// Room for the reason a rank gave up, shown by the peers that waited on it.
+constexpr size_t kFailureTextBytes = 448;
 
 // A monotonically increasing counter on its own cache line, so that the
 // flags of different writers never share a line.
@@ -65,6 +68,11 @@ static_assert(sizeof(WireDescriptor) == kCacheLine);
 //   only after seeing every peer at round R-1, and a peer reads round R-2's
 //   buffers before it publishes R-1, so no buffer is overwritten while read.
 //
+// Failure. A rank that gives up on collective #seq writes failureText, then
+//   stores failed = seq (release). A waiter that sees the rank it waits on
+//   with failed != 0 (acquire) reads the text and fails too, so an error
+//   travels around the ring instead of every rank waiting out its deadline.
+//
 // Ring link (this rank -> rank+1). Pieces are numbered over the life of the
 //   group. To send piece k the sender waits until the receiver's
 //   consumed >= k + 1 - numSlots (slot k % numSlots is free), writes the
@@ -86,7 +94,9 @@ struct alignas(kCacheLine) SegmentHeader {
   Counter staged;    // direct rounds this rank has staged
   Counter posted;    // ring pieces this rank has written to its slots
   Counter consumed;  // ring pieces this rank has read from its left peer
+  Counter failed;    // collective this rank gave up on; 0 = none
   WireDescriptor desc[kDescriptorRing];
+  char failureText[kFailureTextBytes];
 };
 static_assert(sizeof(SegmentHeader) % kCacheLine == 0);
 static_assert(offsetof(SegmentHeader, arrived) % kCacheLine == 0);
@@ -107,12 +117,16 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
   void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
   RingLink& ring() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
+  void abandon(const std::string& why) override;
+  void abort() override { aborted_.store(true, std::memory_order_relaxed); }
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
   void send(const void* src, size_t bytes) override;
   void recv(void* dst, size_t bytes) override;
   void recvCopySend(void* dst, size_t bytes) override;
+  void sendPartial(const kernels::ReduceSpec& spec, const void* local,
+                   size_t count) override;
   void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
                       size_t count) override;
   void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
@@ -137,6 +151,7 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
     bool pidVisible = false;  // false: liveness cannot be checked (pid namespace)
   };
 
+  // Peers' segments are mapped read-only: the MMU enforces single writers.
   Segment mapSegment(void* base, size_t bytes) const;
   const SegmentHeader& header(int rank) const { return *segments_[rank].header; }
 
@@ -149,8 +164,9 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
   // Blocks until ready() holds; `peer` is the rank whose progress it needs.
   template <typename Ready>
   void waitFor(int peer, Ready&& ready);
-  // Throws if the current collective cannot complete: a peer died or the
-  // deadline passed. The message names the ranks to blame.
+  // Throws if waiting on `peer` cannot end: the group is being destroyed,
+  // the peer gave up or died, or the deadline passed. The message names the
+  // ranks to blame.
   void failIfStuck(int peer, Clock::time_point now) const;
   bool peerAlive(int rank) const;
 
@@ -164,7 +180,12 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
 
   std::string ownName_;
   bool linked_ = false;  // own segment name still exists in /dev/shm
+  // Peers' segment names and pids until every rank has mapped every
+  // segment: if bootstrap fails, a peer that died cannot unlink its own, so
+  // the destructor unlinks the segments of dead peers.
+  std::vector<std::pair<std::string, int>> unconnectedPeers_;
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
+  std::atomic<bool> aborted_{false};
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter

@@ -31,13 +31,19 @@ class RingLink {
   virtual void recv(void* dst, size_t bytes) = 0;
   // Receive into dst and forward the same bytes.
   virtual void recvCopySend(void* dst, size_t bytes) = 0;
-  // Forward received op local (a partial result, not finished).
+
+  // Reductions travel as partial results (kernels::partialSize per element)
+  // until the last hop finishes them into elements.
+  // Start a reduction: send local elements as partial results.
+  virtual void sendPartial(const kernels::ReduceSpec& spec, const void* local,
+                           size_t count) = 0;
+  // Forward received partials op local elements, still partial.
   virtual void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
                               size_t count) = 0;
-  // dst = finish(received op local).
+  // dst = finish(received partials op local).
   virtual void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
                               void* dst, size_t count) = 0;
-  // dst = finish(received op local), and forward that result.
+  // dst = finish(received partials op local), and forward those elements.
   virtual void recvReduceCopySend(const kernels::ReduceSpec& spec,
                                   const void* local, void* dst,
                                   size_t count) = 0;
@@ -81,6 +87,13 @@ class Transport {
   virtual RingLink& ring() = 0;
   // nullptr when peers' memory is not mapped into this process.
   virtual PeerMemory* peerMemory() = 0;
+
+  // This rank gave up on the current collective: peers waiting on it fail
+  // at once with `why` instead of at their deadline.
+  virtual void abandon(const std::string& why) = 0;
+  // Makes every current and later wait of this rank fail (group teardown).
+  // Safe to call from any thread.
+  virtual void abort() = 0;
 };
 
 } // namespace pyddp
