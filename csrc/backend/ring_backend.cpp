@@ -229,6 +229,22 @@ DataType RingBackend::checkTensor(const at::Tensor& t, const char* call,
   return *dtype;
 }
 
+DataType RingBackend::checkSingle(const char* call, const at::Tensor& output,
+                                  const at::Tensor& input, bool outputIsWhole) const {
+  const DataType dtype = checkTensor(input, call, "input");
+  PYDDP_CHECK_TYPE(checkTensor(output, call, "output") == dtype, "rank ", rank_, ": ", call,
+                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
+                   input.scalar_type());
+  checkWritable(output, call, "output");
+  const at::Tensor& whole = outputIsWhole ? output : input;
+  const at::Tensor& block = outputIsWhole ? input : output;
+  PYDDP_CHECK_VALUE(whole.numel() == block.numel() * size_, "rank ", rank_, ": ", call, ": ",
+                    outputIsWhole ? "output" : "input", " has ", whole.numel(),
+                    " elements, expected ", block.numel() * size_, " (world_size ", size_,
+                    " x ", outputIsWhole ? "input" : "output", "'s ", block.numel(), ")");
+  return dtype;
+}
+
 void RingBackend::checkWritable(const at::Tensor& t, const char* call,
                                 const char* what) const {
   PYDDP_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "rank ", rank_,
@@ -276,16 +292,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             bool asyncOp) {
-  const DataType dtype = checkTensor(input, "all_gather_single", "input");
-  PYDDP_CHECK_TYPE(checkTensor(output, "all_gather_single", "output") == dtype,
-                   "rank ", rank_, ": all_gather_single: output dtype ",
-                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
-  checkWritable(output, "all_gather_single", "output");
+  const DataType dtype = checkSingle("all_gather_single", output, input, /*outputIsWhole=*/true);
   const size_t count = input.numel();
-  PYDDP_CHECK_VALUE(static_cast<size_t>(output.numel()) == count * size_, "rank ", rank_,
-                    ": all_gather_single: output has ", output.numel(),
-                    " elements, expected ", count * size_, " (world_size ", size_,
-                    " x input's ", count, ")");
   const at::Tensor in = dense(input);
   at::Tensor out = dense(output);
   const size_t es = elementSize(dtype);
@@ -351,17 +359,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tens
 
 c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
     const at::Tensor& output, const at::Tensor& input, RedOp op, bool asyncOp) {
-  const DataType dtype = checkTensor(input, "reduce_scatter_single", "input");
-  PYDDP_CHECK_TYPE(checkTensor(output, "reduce_scatter_single", "output") == dtype,
-                   "rank ", rank_, ": reduce_scatter_single: output dtype ",
-                   output.scalar_type(), " differs from input dtype ", input.scalar_type());
-  checkWritable(output, "reduce_scatter_single", "output");
+  const DataType dtype =
+      checkSingle("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
   checkOp(op, dtype, "reduce_scatter_single");
   const size_t count = output.numel();
-  PYDDP_CHECK_VALUE(static_cast<size_t>(input.numel()) == count * size_, "rank ", rank_,
-                    ": reduce_scatter_single: input has ", input.numel(),
-                    " elements, expected ", count * size_, " (world_size ", size_,
-                    " x output's ", count, ")");
   const at::Tensor in = dense(input);
   at::Tensor out = dense(output);
   const auto s = spec(dtype, op);

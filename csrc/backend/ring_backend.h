@@ -89,6 +89,10 @@ class RingBackend final : public c10d::Backend {
   // Argument checks shared by every call; messages name rank and call.
   DataType checkTensor(const at::Tensor& t, const char* call, const char* what) const;
   void checkWritable(const at::Tensor& t, const char* call, const char* what) const;
+  // all_gather_single and reduce_scatter_single: one rank-sized tensor and
+  // one world-sized tensor of the same dtype; returns that dtype.
+  DataType checkSingle(const char* call, const at::Tensor& output, const at::Tensor& input,
+                       bool outputIsWhole) const;
   void checkOp(RedOp op, DataType dtype, const char* call) const;
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
 
