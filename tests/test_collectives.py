@@ -227,16 +227,27 @@ def _future_ready_after_wait(ctx: RankContext) -> None:
 
 def _collective_inside_callback(ctx: RankContext) -> None:
     pg = ctx.groups["auto"]
-    x = torch.ones(5)
-
-    def then(fut):
-        pg.all_reduce(x)  # synchronous, on the group's own worker thread
-        return fut.value()[0] + x
-
-    chained = pg.all_reduce(torch.ones(5), async_op=True).get_future().then(then)
     n = float(ctx.world_size)
-    check_equal(chained.wait(), torch.full((5,), 2 * n), "collective inside a callback")
-    check_equal(x, torch.full((5,), n), "the callback's all_reduce")
+    for queued_behind in (False, True):
+        x = torch.ones(5)
+
+        def then(fut):
+            pg.all_reduce(x)  # synchronous, on the group's own worker thread
+            return fut.value()[0] + x
+
+        if ctx.rank == 1:
+            time.sleep(0.2)  # rank 0's first call is still running when .then() attaches
+        first = pg.all_reduce(torch.ones(5), async_op=True)
+        chained = first.get_future().then(then)
+        # DDP's pattern: the next bucket is queued while the callback of the
+        # previous one runs its own collective, ahead of the queued one.
+        later = torch.full((7,), 3.0)
+        behind = pg.all_reduce(later, async_op=True) if queued_behind else None
+        check_equal(chained.wait(), torch.full((5,), 2 * n), "collective inside a callback")
+        check_equal(x, torch.full((5,), n), "the callback's all_reduce")
+        if behind is not None:
+            behind.wait()
+            check_equal(later, torch.full((7,), 3.0 * n), "the call queued behind the callback")
 
 
 def _half_types_accumulate_in_fp32(ctx: RankContext, group: str) -> None:

@@ -104,6 +104,9 @@ RingBackend::~RingBackend() {
 }
 
 void RingBackend::shutdown() {
+  // The first caller does the work; a concurrent or later one returns (a
+  // callback on the worker must not wait for a caller joining the worker).
+  if (shutDown_.exchange(true)) return;
   std::deque<Job> dropped;
   {
     std::lock_guard<std::mutex> lock(exec_->mu);
@@ -115,8 +118,8 @@ void RingBackend::shutdown() {
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        c10::str("pyddp: rank ", rank_, ": the process group was destroyed before ",
-                 toString(job.desc.kind), " #", job.desc.seq, " ran"))));
+        c10::str("pyddp: rank ", rank_, ": the process group was destroyed before this ",
+                 toString(job.desc.kind), " ran"))));
   }
   if (!worker_.joinable()) return;
   if (std::this_thread::get_id() == worker_.get_id()) {
@@ -170,8 +173,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submit(CollectiveDesc desc,
   std::unique_lock<std::mutex> lock(exec_->mu);
   PYDDP_CHECK(!exec_->stop, "rank ", rank_, ": ", toString(desc.kind),
               " on a process group that was destroyed");
-  desc.seq = exec_->nextSeq++;
-  auto work = c10::make_intrusive<RingWork>(rank_, desc, std::move(outputs), exec_->workerId);
+  auto work = c10::make_intrusive<RingWork>(rank_, desc.kind, std::move(outputs),
+                                            exec_->workerId);
   Job job{desc, std::move(transfer), std::move(finish), work};
   if (!asyncOp && std::this_thread::get_id() == exec_->workerId) {
     // A future callback (on the worker, inside the job that just finished
@@ -192,6 +195,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submit(CollectiveDesc desc,
 }
 
 void RingBackend::run(Job& job) {
+  job.desc.seq = nextSeq_++;
+  job.work->started(job.desc.seq);
   try {
     PYDDP_CHECK_COMM(brokenBy_.empty(), "rank ", rank_, ": ", toString(job.desc.kind),
                      " #", job.desc.seq, " refused: an earlier collective failed and "
@@ -201,6 +206,10 @@ void RingBackend::run(Job& job) {
                                 Clock::now() + Ms(options_.timeoutMs), rank_, size_};
     try {
       job.transfer(call);
+    } catch (const c10::Error& e) {
+      brokenBy_ = e.what_without_backtrace();
+      transport_->abandon(brokenBy_);
+      throw;
     } catch (const std::exception& e) {
       brokenBy_ = e.what();
       transport_->abandon(brokenBy_);

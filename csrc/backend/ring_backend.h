@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -76,7 +77,6 @@ class RingBackend final : public c10d::Backend {
     std::deque<Job> queue;  // mu
     bool busy = false;      // mu; a job is running (worker or caller)
     bool stop = false;      // mu
-    uint64_t nextSeq = 1;   // mu; assigned in call order
     std::thread::id workerId;
   };
 
@@ -99,9 +99,15 @@ class RingBackend final : public c10d::Backend {
   const RingOptions options_;
   std::unique_ptr<Transport> transport_;
   std::shared_ptr<Executor> exec_ = std::make_shared<Executor>();
-  // Set by the running job only (busy serialises jobs): the failure that
-  // left the transport out of step with the peers.
+  // Touched by the running job only (busy serialises jobs, and a callback's
+  // nested call runs after its parent's transfer):
+  // the sequence number of the next collective to run, 1, 2, ... in the
+  // order collectives reach the transport, which every rank shares even
+  // when a future callback runs a collective ahead of queued ones;
+  uint64_t nextSeq_ = 1;
+  // the failure that left the transport out of step with the peers.
   std::string brokenBy_;
+  std::atomic<bool> shutDown_{false};
   std::thread worker_;
 };
 

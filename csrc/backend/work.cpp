@@ -18,30 +18,37 @@ c10d::OpType opType(CollectiveKind k) {
 
 } // namespace
 
-RingWork::RingWork(int rank, const CollectiveDesc& desc, std::vector<at::Tensor> outputs,
+RingWork::RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
                    std::thread::id workerId)
-    : c10d::Work(rank, opType(desc.kind)),
-      desc_(desc),
+    : c10d::Work(rank, opType(kind)),
+      kind_(kind),
       workerId_(workerId),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
+
+std::string RingWork::describe() const {
+  const uint64_t seq = seq_.load(std::memory_order_relaxed);
+  return std::string(toString(kind_)) + (seq ? " #" + std::to_string(seq) : " (queued)");
+}
+
+bool RingWork::isCompleted() {
+  return c10d::Work::isCompleted() && future_->completed();
+}
 
 bool RingWork::wait(std::chrono::milliseconds timeout) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!completed_) {
       PYDDP_CHECK(std::this_thread::get_id() != workerId_, "rank ", rank_,
-                  ": waiting for ", toString(desc_.kind), " #", desc_.seq,
-                  " inside a future callback of the same process group would deadlock "
+                  ": waiting for ", describe(), " inside a future callback of the same process group would deadlock "
                   "(callbacks run on the thread that runs the collectives); chain it "
                   "with get_future().then(...) instead");
       if (timeout == kNoTimeout) {
         cv_.wait(lock, [&] { return completed_; });
       } else {
         PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }),
-                         "rank ", rank_, ": ", toString(desc_.kind), " #", desc_.seq,
-                         " did not complete within the ", timeout.count(),
+                         "rank ", rank_, ": ", describe(), " did not complete within the ", timeout.count(),
                          " ms given to Work.wait(); it is still running");
       }
     }

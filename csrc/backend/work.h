@@ -6,6 +6,8 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -17,8 +19,13 @@ class RingWork final : public c10d::Work {
  public:
   // `workerId` is the thread that runs the group's queued collectives and
   // their future callbacks.
-  RingWork(int rank, const CollectiveDesc& desc, std::vector<at::Tensor> outputs,
+  RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
            std::thread::id workerId);
+
+  // The collective got its sequence number and reached the transport.
+  void started(uint64_t seq) { seq_.store(seq, std::memory_order_relaxed); }
+  // Done, and the future completed too (so get_future().value() is ready).
+  bool isCompleted() override;
 
   // Returns once the collective is done and its future is completed, so
   // get_future().value() is ready; rethrows the collective's error. A
@@ -31,7 +38,11 @@ class RingWork final : public c10d::Work {
   void fail(std::exception_ptr error);
 
  private:
-  const CollectiveDesc desc_;
+  // "all_reduce #3", or "all_reduce (queued)" before it started.
+  std::string describe() const;
+
+  const CollectiveKind kind_;
+  std::atomic<uint64_t> seq_{0};
   const std::thread::id workerId_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

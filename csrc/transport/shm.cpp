@@ -62,6 +62,12 @@ std::string makeHostId() {
       readFirstLine("/proc/sys/kernel/random/boot_id");
 }
 
+std::string pidNamespace() {
+  char link[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  return n > 0 ? std::string(link, n) : "unknown";
+}
+
 std::string randomSegmentName() {
   std::random_device rd;
   std::ostringstream name;
@@ -79,6 +85,7 @@ std::string errnoText() {
 struct Blob {
   std::string segment;
   std::string hostId;
+  std::string pidNamespace;  // pids of ranks in other namespaces mean nothing here
   int pid = 0;
   size_t bytes = 0;
   size_t slotBytes = 0;
@@ -88,7 +95,8 @@ struct Blob {
 
 std::string encodeBlob(const Blob& b) {
   std::ostringstream out;
-  out << b.segment << "\n" << b.hostId << "\n" << b.pid << " " << b.bytes << " "
+  out << b.segment << "\n" << b.hostId << "\n" << b.pidNamespace << "\n" << b.pid << " "
+      << b.bytes << " "
       << b.slotBytes << " " << b.numSlots << " " << b.directBytes;
   return out.str();
 }
@@ -98,6 +106,7 @@ Blob decodeBlob(const std::string& text) {
   Blob b;
   std::getline(in, b.segment);
   std::getline(in, b.hostId);
+  std::getline(in, b.pidNamespace);
   in >> b.pid >> b.bytes >> b.slotBytes >> b.numSlots >> b.directBytes;
   PYDDP_CHECK(!in.fail() && !b.segment.empty(), "malformed shm bootstrap blob '", text, "'");
   return b;
@@ -150,22 +159,20 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
 
 ShmTransport::~ShmTransport() {
   if (linked_) shm_unlink(ownName_.c_str());
-  for (const auto& [name, pid] : unconnectedPeers_) {
-    if (!processAlive(pid)) shm_unlink(name.c_str());
+  for (const auto& peer : unconnectedPeers_) {
+    if (peer.pidVisible && !processAlive(peer.pid)) shm_unlink(peer.segment.c_str());
   }
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
   }
 }
 
-ShmTransport::Segment ShmTransport::mapSegment(void* base, size_t bytes) const {
-  Segment s;
+void ShmTransport::attach(Segment& s, void* base, size_t bytes) const {
   s.base = base;
   s.bytes = bytes;
   s.header = static_cast<SegmentHeader*>(base);
   s.slots = static_cast<char*>(base) + sizeof(SegmentHeader);
   s.staging = s.slots + static_cast<size_t>(numSlots_) * slotBytes_;
-  return s;
 }
 
 std::string ShmTransport::setup() {
@@ -195,7 +202,8 @@ std::string ShmTransport::setup() {
   PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of shm segment failed: ",
               std::strerror(mapErrno));
 
-  Segment& own = segments_[rank_] = mapSegment(base, bytes);
+  Segment& own = segments_[rank_];
+  attach(own, base, bytes);
   auto* h = new (base) SegmentHeader{};
   h->magic = kMagic;
   h->layoutVersion = kLayoutVersion;
@@ -206,8 +214,8 @@ std::string ShmTransport::setup() {
   h->directBytes = directBytes_;
   own.pid = h->pid;
   own.pidVisible = true;
-  return encodeBlob(Blob{ownName_, hostId_, h->pid, bytes, slotBytes_, numSlots_,
-                          directBytes_});
+  return encodeBlob(Blob{ownName_, hostId_, pidNamespace(), h->pid, bytes, slotBytes_,
+                          numSlots_, directBytes_});
 }
 
 std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const {
@@ -226,7 +234,10 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     peers[peer] = decodeBlob(blobs[peer]);
-    unconnectedPeers_.emplace_back(peers[peer].segment, peers[peer].pid);
+    segments_[peer].pid = peers[peer].pid;
+    segments_[peer].pidVisible = peers[peer].pidNamespace == pidNamespace();
+    unconnectedPeers_.push_back(
+        {peers[peer].segment, peers[peer].pid, segments_[peer].pidVisible});
   }
   // Refuse before mapping anything, so every rank fails with the same reason.
   for (int peer = 0; peer < worldSize_; ++peer) {
@@ -254,15 +265,13 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     close(fd);
     PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of rank ", peer,
                 "'s shm segment failed: ", std::strerror(mapErrno));
-    Segment& s = segments_[peer] = mapSegment(base, b.bytes);
-    const SegmentHeader& h = *s.header;
+    attach(segments_[peer], base, b.bytes);
+    const SegmentHeader& h = header(peer);
     PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion && h.rank == peer &&
                     h.slotBytes == slotBytes_ && h.numSlots == numSlots_ &&
                     h.directBytes == directBytes_,
                 "rank ", rank_, ": rank ", peer,
                 "'s shm segment has an unexpected layout (different pyddp versions?)");
-    s.pid = h.pid;
-    s.pidVisible = access(("/proc/" + std::to_string(h.pid)).c_str(), F_OK) == 0;
   }
 }
 
@@ -279,7 +288,7 @@ bool ShmTransport::peerAlive(int rank) const {
   return !s.pidVisible || processAlive(s.pid);
 }
 
-void ShmTransport::failIfStuck(int peer, Clock::time_point now) const {
+void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const {
   const std::string call = std::string(toString(current_.kind)) + " #" +
       std::to_string(current_.seq);
   PYDDP_CHECK_COMM(!aborted_.load(std::memory_order_relaxed), "rank ", rank_,
@@ -291,7 +300,7 @@ void ShmTransport::failIfStuck(int peer, Clock::time_point now) const {
                      " while rank ", rank_, " waited for it in ", call, ": ",
                      std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes)));
   }
-  PYDDP_CHECK_COMM(peerAlive(peer), "rank ", peer, " (pid ", segments_[peer].pid,
+  PYDDP_CHECK_COMM(peerWasAlive, "rank ", peer, " (pid ", segments_[peer].pid,
                    ") exited; rank ", rank_, " was waiting for it in ", call);
   if (now < deadline_) return;
   std::vector<int> missing;
@@ -328,9 +337,11 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
     // Reading the clock costs tens of cycles: do it every few spins.
     if (waited >= kSpinPhase || (i & 63) == 0) now = Clock::now();
     if (now >= nextCheck) {
-      // The peer may have finished its part and left since the last look.
+      // Look at the peer before looking at the flag: a peer that posted
+      // and then exited has done its part.
+      const bool alive = peerAlive(peer);
       if (ready()) return;
-      failIfStuck(peer, now);
+      failIfStuck(peer, alive, now);
       nextCheck = now + kLivenessPeriod;
     }
   }

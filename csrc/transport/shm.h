@@ -148,11 +148,12 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
     char* slots = nullptr;
     char* staging = nullptr;
     int pid = 0;
-    bool pidVisible = false;  // false: liveness cannot be checked (pid namespace)
+    bool pidVisible = false;  // same pid namespace: liveness can be checked
   };
 
-  // Peers' segments are mapped read-only: the MMU enforces single writers.
-  Segment mapSegment(void* base, size_t bytes) const;
+  // Points `s` at a mapping of `bytes` at `base`. Peers' segments are
+  // mapped read-only: the MMU enforces single writers.
+  void attach(Segment& s, void* base, size_t bytes) const;
   const SegmentHeader& header(int rank) const { return *segments_[rank].header; }
 
   // Ring halves of the verbs.
@@ -165,9 +166,10 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
   template <typename Ready>
   void waitFor(int peer, Ready&& ready);
   // Throws if waiting on `peer` cannot end: the group is being destroyed,
-  // the peer gave up or died, or the deadline passed. The message names the
+  // the peer gave up or died (peerWasAlive is false: it was gone before its
+  // flag was found unset), or the deadline passed. The message names the
   // ranks to blame.
-  void failIfStuck(int peer, Clock::time_point now) const;
+  void failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const;
   bool peerAlive(int rank) const;
 
   const int rank_;
@@ -180,10 +182,15 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
 
   std::string ownName_;
   bool linked_ = false;  // own segment name still exists in /dev/shm
-  // Peers' segment names and pids until every rank has mapped every
-  // segment: if bootstrap fails, a peer that died cannot unlink its own, so
-  // the destructor unlinks the segments of dead peers.
-  std::vector<std::pair<std::string, int>> unconnectedPeers_;
+  // Peers' segments until every rank has mapped every segment: if
+  // bootstrap fails, a peer that died cannot unlink its own, so the
+  // destructor unlinks the segments of peers it can see are dead.
+  struct PeerSegment {
+    std::string segment;
+    int pid;
+    bool pidVisible;
+  };
+  std::vector<PeerSegment> unconnectedPeers_;
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
 
