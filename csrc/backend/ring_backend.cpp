@@ -14,6 +14,13 @@ namespace {
 
 using Ms = std::chrono::milliseconds;
 
+// An error's message without the C++ backtrace c10 errors carry: it goes
+// into other errors and to the peers.
+std::string messageOf(const std::exception& e) {
+  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
+  return c10Error ? c10Error->what_without_backtrace() : e.what();
+}
+
 // All-gathers one string per rank through the store. A rank that never
 // publishes its key is named in the error.
 std::vector<std::string> exchange(c10d::Store& store, const std::string& key,
@@ -32,7 +39,7 @@ std::vector<std::string> exchange(c10d::Store& store, const std::string& key,
     } catch (const std::exception& e) {
       PYDDP_CHECK_COMM(false, "rank ", peer, " did not join the process group within ",
                        timeout.count(), " ms (rank ", rank, " waited for store key '",
-                       k, "'): ", e.what());
+                       k, "'): ", messageOf(e));
     }
     const std::vector<uint8_t> v = store.get(k);
     all[peer].assign(v.begin(), v.end());
@@ -206,12 +213,8 @@ void RingBackend::run(Job& job) {
                                 Clock::now() + Ms(options_.timeoutMs), rank_, size_};
     try {
       job.transfer(call);
-    } catch (const c10::Error& e) {
-      brokenBy_ = e.what_without_backtrace();
-      transport_->abandon(brokenBy_);
-      throw;
     } catch (const std::exception& e) {
-      brokenBy_ = e.what();
+      brokenBy_ = messageOf(e);
       transport_->abandon(brokenBy_);
       throw;
     }
