@@ -40,10 +40,11 @@ struct RingOptions {
 // the best keeps a rank's ring buffers (512 KiB) inside its L2 cache.
 constexpr size_t kDefaultSlotBytes = 64 * 1024;
 constexpr int kDefaultNumSlots = 8;
-// Same machine, PYDDP_ALGO=direct vs ring, 2 ranks: direct is 0.5-1.5 us
-// faster up to 1 KiB, level at 4-16 KiB and slower beyond (every rank
-// reduces the whole tensor, where the ring splits that work).
-constexpr size_t kDefaultDirectMaxBytes = 16 * 1024;
+// Same machine, PYDDP_ALGO=direct vs ring, 2 ranks: level (2.5-3.7 us) up to
+// 4 KiB, ring 10% faster at 16 KiB and 2x at 64 KiB (direct makes every rank
+// reduce the whole tensor). More ranks favour direct: the ring's latency
+// grows with its 2(n-1) hops. 8 KiB sits between.
+constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
 // Every PYDDP_* variable with its current value ("" when unset).
