@@ -11,6 +11,7 @@ import datetime
 import multiprocessing as mp
 import os
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -474,3 +475,38 @@ def test_settings_come_from_the_environment(monkeypatch):
     finally:
         pg.shutdown()
     assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"
+
+
+def _stall_inside(ctx: RankContext) -> str:
+    # Rank 0 arrives late; rank 1 has arrived (it waits in the arrival
+    # barrier) when it stops itself, so rank 0 finds every rank inside the
+    # collective and then waits for rank 1's first piece until its deadline.
+    timeout = datetime.timedelta(seconds=2 if ctx.rank == 0 else 60)
+    options = pyddp.RingOptions()
+    options.algo = pyddp._C.Algo.RING
+    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("stall"), ctx.world_size),
+                         rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
+                         options=options)
+    ctx.groups["stall"] = pg
+    if ctx.rank == 0:
+        time.sleep(1.5)
+        return _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
+    work = pg.all_reduce(torch.ones(100_000), async_op=True)
+    time.sleep(0.75)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test's timer sends SIGCONT
+    return _raises(dist.DistBackendError, ".", work.wait)
+
+
+def test_a_peer_stalled_inside_the_collective_is_named():
+    pool = Ranks(2)
+    resume = threading.Timer(6.0, os.kill, args=(pool.pid(1), signal.SIGCONT))
+    resume.start()
+    try:
+        message0, message1 = pool.run(_stall_inside)
+        assert ("all_reduce #1 timed out after 2000 ms on rank 0 waiting for rank 1 "
+                "(every rank entered the collective)") in message0, message0
+        assert "rank 0 gave up on collective #1" in message1, message1
+    finally:
+        resume.cancel()
+        os.kill(pool.pid(1), signal.SIGCONT)
+        pool.close()
