@@ -36,6 +36,17 @@ def _group(ctx: RankContext, name: str, timeout=datetime.timedelta(seconds=30)
     return pg
 
 
+def _ring_group(ctx: RankContext, name: str, timeout: datetime.timedelta) -> pyddp.ProcessGroup:
+    """A group that always uses the ring; each rank may pass its own timeout."""
+    options = pyddp.RingOptions()
+    options.algo = pyddp._C.Algo.RING
+    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(name), ctx.world_size),
+                         rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
+                         options=options)
+    ctx.groups[name] = pg
+    return pg
+
+
 def _raises(exc_type, pattern: str, fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
@@ -383,13 +394,7 @@ def _destroy_with_pending_work(ctx: RankContext) -> tuple:
 def _give_up_travels(ctx: RankContext) -> tuple:
     # Rank 1 waits 2 s for rank 0, gives up, and says so; rank 0 arrives
     # later with a 60 s timeout and must fail at once, naming rank 1's reason.
-    timeout = datetime.timedelta(seconds=60 if ctx.rank == 0 else 2)
-    options = pyddp.RingOptions()
-    options.algo = pyddp._C.Algo.RING
-    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("give-up"), ctx.world_size),
-                         rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
-                         options=options)
-    ctx.groups["give-up"] = pg
+    pg = _ring_group(ctx, "give-up", datetime.timedelta(seconds=60 if ctx.rank == 0 else 2))
     if ctx.rank == 0:
         time.sleep(4.0)
     start = time.monotonic()
@@ -481,13 +486,7 @@ def _stall_inside(ctx: RankContext) -> str:
     # Rank 0 arrives late; rank 1 has arrived (it waits in the arrival
     # barrier) when it stops itself, so rank 0 finds every rank inside the
     # collective and then waits for rank 1's first piece until its deadline.
-    timeout = datetime.timedelta(seconds=2 if ctx.rank == 0 else 60)
-    options = pyddp.RingOptions()
-    options.algo = pyddp._C.Algo.RING
-    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("stall"), ctx.world_size),
-                         rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
-                         options=options)
-    ctx.groups["stall"] = pg
+    pg = _ring_group(ctx, "stall", datetime.timedelta(seconds=2 if ctx.rank == 0 else 60))
     if ctx.rank == 0:
         time.sleep(1.5)
         return _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
