@@ -142,26 +142,22 @@ namespace {
 // Marks the executor busy for one job, whatever the job throws. Only a
 // queued job waits for `busy` to clear: waking the idle worker after every
 // inline call would cost two context switches per small collective.
-template <typename Queue>
+template <typename Executor>
 class BusyScope {
  public:
-  BusyScope(std::unique_lock<std::mutex>& lock, bool& busy, std::condition_variable& cv,
-            const Queue& queue)
-      : lock_(lock), busy_(busy), cv_(cv), queue_(queue) {
-    busy_ = true;
+  BusyScope(std::unique_lock<std::mutex>& lock, Executor& exec) : lock_(lock), exec_(exec) {
+    exec_.busy = true;
     lock_.unlock();
   }
   ~BusyScope() {
     lock_.lock();
-    busy_ = false;
-    if (!queue_.empty()) cv_.notify_all();
+    exec_.busy = false;
+    if (!exec_.queue.empty()) exec_.cv.notify_all();
   }
 
  private:
   std::unique_lock<std::mutex>& lock_;
-  bool& busy_;
-  std::condition_variable& cv_;
-  const Queue& queue_;
+  Executor& exec_;
 };
 } // namespace
 
@@ -173,7 +169,7 @@ void RingBackend::workerLoop(std::shared_ptr<Executor> exec, RingBackend* backen
     if (exec->stop) return;
     Job job = std::move(exec->queue.front());
     exec->queue.pop_front();
-    BusyScope busy(lock, exec->busy, exec->cv, exec->queue);
+    BusyScope busy(lock, *exec);
     backend->run(job);  // `backend` may be gone once this returns
   }
 }
@@ -197,7 +193,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submit(CollectiveDesc desc,
   }
   if (!asyncOp && exec_->queue.empty() && !exec_->busy) {
     // Nothing is ahead of this call: run it here, keeping call order.
-    BusyScope busy(lock, exec_->busy, exec_->cv, exec_->queue);
+    BusyScope busy(lock, *exec_);
     run(job);
     return work;
   }

@@ -40,16 +40,16 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!completed_) {
-      PYDDP_CHECK(std::this_thread::get_id() != workerId_, "rank ", rank_,
-                  ": waiting for ", describe(), " inside a future callback of the same process group would deadlock "
-                  "(callbacks run on the thread that runs the collectives); chain it "
-                  "with get_future().then(...) instead");
+      PYDDP_CHECK(std::this_thread::get_id() != workerId_, "rank ", rank_, ": waiting for ",
+                  describe(), " inside a future callback of the same process group would "
+                  "deadlock (callbacks run on the thread that runs the collectives); chain "
+                  "it with get_future().then(...) instead");
       if (timeout == kNoTimeout) {
         cv_.wait(lock, [&] { return completed_; });
       } else {
-        PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }),
-                         "rank ", rank_, ": ", describe(), " did not complete within the ", timeout.count(),
-                         " ms given to Work.wait(); it is still running");
+        PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }), "rank ",
+                         rank_, ": ", describe(), " did not complete within the ",
+                         timeout.count(), " ms given to Work.wait(); it is still running");
       }
     }
     if (exception_) std::rethrow_exception(exception_);

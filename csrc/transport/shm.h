@@ -178,6 +178,7 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
   const size_t directBytes_;
   const int64_t timeoutMs_;
   const std::string hostId_;
+  const std::string pidNamespace_;
 
   std::string ownName_;
   bool linked_ = false;  // own segment name still exists in /dev/shm
