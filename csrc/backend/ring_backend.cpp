@@ -271,25 +271,40 @@ void RingBackend::checkOp(RedOp op, DataType dtype, const char* call) const {
                    toString(dtype), "; use SUM and divide");
 }
 
+void RingBackend::checkRoot(int root, const char* call, const char* what) const {
+  PYDDP_CHECK_VALUE(root >= 0 && root < size_, "rank ", rank_, ": ", call, ": ", what, "=",
+                    root, " is not a rank of this group (world_size ", size_, ")");
+}
+
 kernels::ReduceSpec RingBackend::spec(DataType dtype, RedOp op) const {
   return kernels::ReduceSpec{dtype, op, size_};
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
                                                       RedOp op, bool asyncOp) {
-  const DataType dtype = checkTensor(tensor, "all_reduce", "tensor");
-  checkWritable(tensor, "all_reduce", "tensor");
-  checkOp(op, dtype, "all_reduce");
+  return reduceTo(tensor, op, -1, asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, RedOp op,
+                                                     int root, bool asyncOp) {
+  const char* call = root < 0 ? "all_reduce" : "reduce";
+  const DataType dtype = checkTensor(tensor, call, "tensor");
+  checkWritable(tensor, call, "tensor");
+  checkOp(op, dtype, call);
+  if (root >= 0) checkRoot(root, call, "dst");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
   const bool direct = options_.directMaxBytes > 0 &&
       (options_.algo == Algo::Direct ||
        (options_.algo == Algo::Auto && bytes <= options_.directMaxBytes));
   const auto s = spec(dtype, op);
-  at::Tensor buf = dense(tensor);
+  // A reduce is an all-reduce whose result only the root keeps: the other
+  // ranks compute into a copy and leave their tensor as it was.
+  const bool keep = root < 0 || root == rank_;
+  at::Tensor buf = keep ? dense(tensor) : tensor.contiguous().clone();
   return submit(
-      makeDesc(CollectiveKind::AllReduce, count, dtype, op, -1,
-               direct ? Algo::Direct : Algo::Ring),
+      makeDesc(root < 0 ? CollectiveKind::AllReduce : CollectiveKind::Reduce, count, dtype,
+               op, root, direct ? Algo::Direct : Algo::Ring),
       {tensor},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
@@ -299,7 +314,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
           algorithms::ringAllReduce(c, s, data, data, count);
         }
       },
-      [=] { copyBack(tensor, buf); }, asyncOp);
+      [=] {
+        if (keep) copyBack(tensor, buf);
+      },
+      asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& output,
@@ -324,32 +342,55 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& ou
 
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherList(
     const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool asyncOp) {
-  const DataType dtype = checkTensor(input, "all_gather", "input");
-  PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "rank ", rank_,
-                    ": all_gather: tensor_list has ", outputs.size(),
-                    " tensors, expected world_size = ", size_);
+  return gatherTo(outputs, input, -1, asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::gatherTo(const std::vector<at::Tensor>& outputs,
+                                                     const at::Tensor& input, int root,
+                                                     bool asyncOp) {
+  const char* call = root < 0 ? "all_gather" : "gather";
+  // The output list's name in torch.distributed's signature.
+  const char* list = root < 0 ? "tensor_list" : "gather_list";
+  const std::string entry = std::string(list) + " entry";
+  const DataType dtype = checkTensor(input, call, "input");
+  if (root >= 0) checkRoot(root, call, "dst");
   const size_t count = input.numel();
+  // A gather is an all-gather whose blocks only the root keeps: the other
+  // ranks pass no outputs and gather into scratch tensors.
+  const bool keep = root < 0 || root == rank_;
   std::vector<at::Tensor> outs;
-  for (const auto& o : outputs) {
-    PYDDP_CHECK_TYPE(checkTensor(o, "all_gather", "tensor_list entry") == dtype,
-                     "rank ", rank_, ": all_gather: tensor_list entry dtype ",
-                     o.scalar_type(), " differs from input dtype ", input.scalar_type());
-    PYDDP_CHECK_VALUE(static_cast<size_t>(o.numel()) == count, "rank ", rank_,
-                      ": all_gather: tensor_list entry has ", o.numel(),
-                      " elements, expected ", count, " (the input's)");
-    checkWritable(o, "all_gather", "tensor_list entry");
-    outs.push_back(dense(o));
+  if (keep) {
+    PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "rank ", rank_, ": ", call,
+                      ": ", list, " has ", outputs.size(),
+                      " tensors, expected world_size = ", size_);
+    for (const auto& o : outputs) {
+      PYDDP_CHECK_TYPE(checkTensor(o, call, entry.c_str()) == dtype, "rank ", rank_, ": ", call,
+                       ": ", list, " entry dtype ", o.scalar_type(),
+                       " differs from input dtype ", input.scalar_type());
+      PYDDP_CHECK_VALUE(static_cast<size_t>(o.numel()) == count, "rank ", rank_, ": ", call,
+                        ": ", list, " entry has ", o.numel(), " elements, expected ", count,
+                        " (the input's)");
+      checkWritable(o, call, entry.c_str());
+      outs.push_back(dense(o));
+    }
+  } else {
+    PYDDP_CHECK_VALUE(outputs.empty(), "rank ", rank_, ": gather: only the destination rank ",
+                      root, " passes a gather_list");
+    for (int b = 0; b < size_; ++b) outs.push_back(at::empty({input.numel()}, input.options()));
   }
   const at::Tensor in = dense(input);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), outputs,
+      makeDesc(root < 0 ? CollectiveKind::AllGather : CollectiveKind::Gather, count, dtype,
+               RedOp::Sum, root),
+      outputs,
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
         algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
       },
-      [=, this] {
-        for (int b = 0; b < size_; ++b) copyBack(outputs[b], outs[b]);
+      [=] {
+        if (!keep) return;
+        for (size_t b = 0; b < outputs.size(); ++b) copyBack(outputs[b], outs[b]);
       },
       asyncOp);
 }
@@ -358,8 +399,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tens
                                                           int src, bool asyncOp) {
   const DataType dtype = checkTensor(tensor, "broadcast", "tensor");
   checkWritable(tensor, "broadcast", "tensor");
-  PYDDP_CHECK_VALUE(src >= 0 && src < size_, "rank ", rank_, ": broadcast: src=", src,
-                    " is not a rank of this group (world_size ", size_, ")");
+  checkRoot(src, "broadcast", "src");
   const size_t count = tensor.numel();
   at::Tensor buf = dense(tensor);
   return submit(
@@ -395,6 +435,156 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
 c10::intrusive_ptr<c10d::Work> RingBackend::barrierAll(bool asyncOp) {
   return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {},
                 [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, asyncOp);
+}
+
+// --- torch.distributed entry points ----------------------------------------
+
+const at::Tensor& RingBackend::single(const std::vector<at::Tensor>& tensors,
+                                      const char* call, const char* what) const {
+  PYDDP_CHECK_VALUE(tensors.size() == 1, "rank ", rank_, ": ", call, ": got ", tensors.size(),
+                    " ", what, " tensors; the pyddp backend takes one tensor per process");
+  return tensors[0];
+}
+
+RedOp RingBackend::redOp(const c10d::ReduceOp& op, const char* call) const {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return RedOp::Sum;
+    case c10d::ReduceOp::AVG: return RedOp::Avg;
+    case c10d::ReduceOp::PRODUCT: return RedOp::Product;
+    case c10d::ReduceOp::MIN: return RedOp::Min;
+    case c10d::ReduceOp::MAX: return RedOp::Max;
+    default: {
+      // c10d's RedOpType values in order.
+      const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR",
+                             "PREMUL_SUM"};
+      const auto i = static_cast<size_t>(op.op_);
+      PYDDP_CHECK_VALUE(false, "rank ", rank_, ": ", call, ": the pyddp backend does not "
+                        "support ReduceOp.", i < std::size(names) ? names[i] : "?",
+                        " (supported: SUM, AVG, PRODUCT, MIN, MAX)");
+    }
+  }
+  return RedOp::Sum;  // unreachable: the check above throws
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  return allReduce(single(tensors, "allreduce", "input"), redOp(opts.reduceOp, "allreduce"),
+                   opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": broadcast: rootTensor ",
+                    opts.rootTensor, " given; the pyddp backend takes one tensor per process");
+  return broadcastFrom(single(tensors, "broadcast", "input"), static_cast<int>(opts.rootRank),
+                       opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOptions& opts) {
+  PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": reduce: rootTensor ",
+                    opts.rootTensor, " given; the pyddp backend takes one tensor per process");
+  return reduceTo(single(tensors, "reduce", "input"), redOp(opts.reduceOp, "reduce"),
+                  static_cast<int>(opts.rootRank), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  PYDDP_CHECK_VALUE(outputs.size() == 1, "rank ", rank_, ": allgather: got ", outputs.size(),
+                    " output lists; the pyddp backend takes one per process");
+  return allGatherList(outputs[0], single(inputs, "allgather", "input"), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  return allGatherSingle(output, input, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  // torch passes one (possibly empty) output list per process.
+  PYDDP_CHECK_VALUE(outputs.size() <= 1, "rank ", rank_, ": gather: got ", outputs.size(),
+                    " output lists; the pyddp backend takes one per process");
+  static const std::vector<at::Tensor> none;
+  return gatherTo(outputs.empty() ? none : outputs[0], single(inputs, "gather", "input"),
+                  static_cast<int>(opts.rootRank), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const at::Tensor& output = single(outputs, "scatter", "output");
+  const int root = static_cast<int>(opts.rootRank);
+  const DataType dtype = checkTensor(output, "scatter", "output");
+  checkWritable(output, "scatter", "output");
+  checkRoot(root, "scatter", "src");
+  const size_t count = output.numel();
+  // The root's list travels as one world-sized tensor down the broadcast
+  // chain and each rank keeps its block: (n-1) times the bytes a tree
+  // scatter moves, through the one transport verb set every rank has.
+  at::Tensor whole;
+  if (rank_ == root) {
+    PYDDP_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                      "rank ", rank_, ": scatter: the source passes one list of world_size = ",
+                      size_, " tensors");
+    std::vector<at::Tensor> flat;
+    for (const auto& t : inputs[0]) {
+      PYDDP_CHECK_TYPE(checkTensor(t, "scatter", "input") == dtype, "rank ", rank_,
+                       ": scatter: input dtype ", t.scalar_type(), " differs from output dtype ",
+                       output.scalar_type());
+      PYDDP_CHECK_VALUE(static_cast<size_t>(t.numel()) == count, "rank ", rank_,
+                        ": scatter: an input has ", t.numel(), " elements, expected ", count,
+                        " (the output's)");
+      flat.push_back(t.reshape({-1}));
+    }
+    whole = at::cat(flat);
+  } else {
+    PYDDP_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "rank ",
+                      rank_, ": scatter: only the source rank ", root, " passes inputs");
+    whole = at::empty({static_cast<int64_t>(count) * size_}, output.options());
+  }
+  const int64_t mine = static_cast<int64_t>(count) * rank_;
+  return submit(
+      makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root), {output},
+      [=](const algorithms::Call& c) {
+        algorithms::chainBroadcast(c, whole.data_ptr(), whole.numel() * elementSize(dtype),
+                                   root);
+      },
+      [=] { output.copy_(whole.narrow(0, mine, count).view(output.sizes())); }, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  PYDDP_CHECK_VALUE(inputs.size() == 1, "rank ", rank_, ": reduce_scatter: got ",
+                    inputs.size(), " input lists; the pyddp backend takes one per process");
+  const at::Tensor& output = single(outputs, "reduce_scatter", "output");
+  PYDDP_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "rank ", rank_,
+                    ": reduce_scatter: input list has ", inputs[0].size(),
+                    " tensors, expected world_size = ", size_);
+  std::vector<at::Tensor> flat;
+  for (const auto& t : inputs[0]) {
+    PYDDP_CHECK_VALUE(t.numel() == output.numel(), "rank ", rank_,
+                      ": reduce_scatter: an input has ", t.numel(),
+                      " elements, expected ", output.numel(), " (the output's)");
+    flat.push_back(t.reshape({-1}));
+  }
+  // The list becomes one world-sized tensor, read when the call is made (as
+  // the single-tensor form reads its input).
+  return reduceScatterSingle(output, at::cat(flat), redOp(opts.reduceOp, "reduce_scatter"),
+                             opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterSingle(output, input, redOp(opts.reduceOp, "reduce_scatter_tensor"),
+                             opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> RingBackend::barrier(const c10d::BarrierOptions& opts) {
+  return barrierAll(opts.asyncOp);
 }
 
 } // namespace pyddp

@@ -54,7 +54,34 @@ class RingBackend final : public c10d::Backend {
 
   // Stops the worker and makes a running collective fail within
   // milliseconds; queued collectives fail. Idempotent; the destructor calls it.
-  void shutdown();
+  void shutdown() override;
+
+  // torch.distributed's entry points (init_process_group("pyddp")): one
+  // tensor (list) per process, mapped onto the calls above. Operations not
+  // overridden here fail with c10d's "Backend pyddp does not support <op>".
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
  private:
   // Moves the bytes; runs inside the transport, so a failure leaves the
@@ -80,6 +107,13 @@ class RingBackend final : public c10d::Backend {
     std::thread::id workerId;
   };
 
+  // all_reduce (root -1) or reduce to root; all_gather (root -1) or gather
+  // to root, where only the root passes outputs.
+  c10::intrusive_ptr<c10d::Work> reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                                          bool asyncOp);
+  c10::intrusive_ptr<c10d::Work> gatherTo(const std::vector<at::Tensor>& outputs,
+                                          const at::Tensor& input, int root, bool asyncOp);
+
   c10::intrusive_ptr<c10d::Work> submit(CollectiveDesc desc,
                                         std::vector<at::Tensor> outputs,
                                         Transfer transfer, Finish finish, bool asyncOp);
@@ -94,7 +128,13 @@ class RingBackend final : public c10d::Backend {
   DataType checkSingle(const char* call, const at::Tensor& output, const at::Tensor& input,
                        bool outputIsWhole) const;
   void checkOp(RedOp op, DataType dtype, const char* call) const;
+  void checkRoot(int root, const char* call, const char* what) const;
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
+  // torch.distributed's arguments: the one tensor of a per-process list,
+  // and pyddp's operator for a c10d::ReduceOp.
+  const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* call,
+                           const char* what) const;
+  RedOp redOp(const c10d::ReduceOp& op, const char* call) const;
 
   const RingOptions options_;
   std::unique_ptr<Transport> transport_;
