@@ -98,7 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<Algo>(m, "Algo")
       .value("AUTO", Algo::Auto)
       .value("RING", Algo::Ring)
-      .value("DIRECT", Algo::Direct);
+      .value("DIRECT", Algo::Direct)
+      .value("TWO_SHOT", Algo::TwoShot);
 
   py::class_<RingOptions>(m, "RingOptions")
       .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
@@ -106,6 +107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slot_bytes", &RingOptions::slotBytes)
       .def_readwrite("num_slots", &RingOptions::numSlots)
       .def_readwrite("direct_max_bytes", &RingOptions::directMaxBytes)
+      .def_readwrite("two_shot_max_bytes", &RingOptions::twoShotMaxBytes)
       .def_readwrite("algo", &RingOptions::algo)
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
       .def("validate", &RingOptions::validate);

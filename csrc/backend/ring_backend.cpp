@@ -294,9 +294,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, R
   if (root >= 0) checkRoot(root, call, "dst");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
-  const bool direct = options_.directMaxBytes > 0 &&
-      (options_.algo == Algo::Direct ||
-       (options_.algo == Algo::Auto && bytes <= options_.directMaxBytes));
+  const Algo algo = options_.allReduceAlgo(bytes);
   const auto s = spec(dtype, op);
   // A reduce is an all-reduce whose result only the root keeps: the other
   // ranks compute into a copy and leave their tensor as it was.
@@ -304,14 +302,19 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, R
   at::Tensor buf = keep ? dense(tensor) : tensor.contiguous().clone();
   return submit(
       makeDesc(root < 0 ? CollectiveKind::AllReduce : CollectiveKind::Reduce, count, dtype,
-               op, root, direct ? Algo::Direct : Algo::Ring),
+               op, root, algo),
       {tensor},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
-        if (direct) {
-          algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
-        } else {
-          algorithms::ringAllReduce(c, s, data, data, count);
+        switch (algo) {
+          case Algo::Direct:
+            algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
+            break;
+          case Algo::TwoShot:
+            algorithms::twoShotAllReduce(c, *transport_->peerMemory(), s, data, data, count);
+            break;
+          default:
+            algorithms::ringAllReduce(c, s, data, data, count);
         }
       },
       [=] {
