@@ -98,9 +98,23 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   transport_ = std::make_unique<shm::ShmTransport>(rank, size, options_);
   // phase 1: publish what peers need to reach us, learn theirs
   const auto blobs = exchange(*store, "shm/blob", transport_->setup(), rank, size, timeout);
-  // phase 2: map every peer, then wait until every peer has mapped us
-  transport_->connect(blobs);
-  exchange(*store, "shm/connected", "", rank, size, timeout);
+  // phase 2: reach every peer, and tell every peer whether we could: a
+  // refusal (another host, no peer access) fails every rank alike
+  std::string refusal;
+  std::exception_ptr ownRefusal;
+  try {
+    transport_->connect(blobs);
+  } catch (const std::exception& e) {
+    refusal = messageOf(e);
+    ownRefusal = std::current_exception();
+  }
+  const auto refusals = exchange(*store, "shm/connected", refusal, rank, size, timeout);
+  if (ownRefusal) std::rethrow_exception(ownRefusal);
+  for (int peer = 0; peer < size; ++peer) {
+    PYDDP_CHECK_COMM(refusals[peer].empty(), "rank ", rank, ": the ", transport_->name(),
+                     " transport cannot connect: rank ", peer, " refused (",
+                     refusals[peer], ")");
+  }
   transport_->connected();
   worker_ = std::thread(workerLoop, exec_, this);
   exec_->workerId = worker_.get_id();
