@@ -232,6 +232,16 @@ void bindTesting(py::module_& m) {
     kernels::cuda::copy(dst.data_ptr(), ptrOr(dst2), src.data_ptr(), src.nbytes(),
                         stream(src.device()));
   });
+  // Launches the copy kernel between two host buffers where no GPU is usable
+  // (refused otherwise), so that a CPU machine sees a failed launch turn into
+  // an exception.
+  t.def("cuda_copy_without_gpu", [] {
+    int devices = 0;
+    PYDDP_CHECK_VALUE(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
+                      "cuda_copy_without_gpu only runs where no GPU is usable; found ", devices);
+    std::vector<uint64_t> src(128, 1), dst(128, 0);
+    kernels::cuda::copy(dst.data(), nullptr, src.data(), src.size() * sizeof(uint64_t), nullptr);
+  });
 #else
   t.attr("has_cuda_kernels") = false;
 #endif

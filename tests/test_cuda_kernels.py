@@ -373,3 +373,10 @@ def test_emulated_grid_needs_a_thread():
         k.emulated_to_partial((0, 32), x.clone(), x)
     with pytest.raises(ValueError, match="at least one block and one thread"):
         k.emulated_to_partial((4, 0), x.clone(), x)
+
+
+@pytest.mark.skipif(not k.has_cuda_kernels or torch.cuda.is_available(),
+                    reason="needs a CUDA build of pyddp on a machine without a usable GPU")
+def test_failed_launch_raises():
+    with pytest.raises(RuntimeError, match=r"launching the CUDA copy kernel \(128 elements\) failed: "):
+        k.cuda_copy_without_gpu()
