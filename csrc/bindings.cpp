@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "kernels/cpu.h"
 #include "kernels/emulate.h"
+#include "transport/ipc_protocol.h"
 #include "transport/shm.h"
 
 #ifdef PYDDP_WITH_CUDA
@@ -80,6 +81,16 @@ void bindTesting(py::module_& m) {
     struct stat st {};
     PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
     return std::make_pair(name, static_cast<int>(st.st_mode & 0777));
+  });
+  // The cuda_ipc wait decision, exactly as its kernels make it: None to
+  // keep waiting, else (error code, rank to blame), code 0 for satisfied.
+  t.def("ipc_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
+                               int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
+                               int32_t peer) -> std::optional<std::pair<int, int>> {
+    const int64_t v =
+        ipc::waitVerdict(flag, target, peerFailed, abortWord, elapsedNs, timeoutNs, peer);
+    if (v < 0) return std::nullopt;
+    return std::make_pair(static_cast<int>(ipc::errorCode(v)), v ? ipc::errorRank(v) : -1);
   });
   t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
     auto out = at::empty_like(srcs.at(0));
