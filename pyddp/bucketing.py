@@ -21,7 +21,6 @@ followed by the reversal in ``DistributedDataParallel._ddp_init_helper``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 DEFAULT_CAP_BYTES = 25 * 1024 * 1024
@@ -31,26 +30,13 @@ DEFAULT_FIRST_CAP_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap when the cap is the default."""
 
 
-@dataclass(frozen=True)
-class BucketSpec:
-    """One bucket: parameter indices (registration numbering) and their offsets in elements.
-
-    ``indices[i]`` occupies elements ``offsets[i]`` to ``offsets[i] + numels[i]``
-    of the bucket's flat buffer; ``numel`` is the buffer's length.
-    """
-
-    indices: Tuple[int, ...]
-    offsets: Tuple[int, ...]
-    numels: Tuple[int, ...]
-    numel: int
-
-
 def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int], keys: Sequence[Hashable],
-                   cap_bytes: int, first_cap_bytes: int) -> List[BucketSpec]:
+                   cap_bytes: int, first_cap_bytes: int) -> List[Tuple[int, ...]]:
     """Buckets for tensors given in registration order, in the order they are reduced.
 
     ``numels[i]``, ``element_sizes[i]`` and ``keys[i]`` describe tensor ``i``;
-    tensors with different keys never share a bucket. Returns every index
+    tensors with different keys never share a bucket. Each bucket is a tuple
+    of tensor indices in reverse registration order; every index appears
     exactly once.
     """
     if not len(numels) == len(element_sizes) == len(keys):
@@ -77,13 +63,4 @@ def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int], keys: Se
     closed.extend(bucket for bucket in open_buckets.values() if bucket)
     # bucket[0] is the bucket's largest index, i.e. its first in reversed order.
     closed.sort(key=lambda bucket: -bucket[0])
-    return [_layout(bucket, numels) for bucket in closed]
-
-
-def _layout(indices: List[int], numels: Sequence[int]) -> BucketSpec:
-    offsets = []
-    offset = 0
-    for index in indices:
-        offsets.append(offset)
-        offset += numels[index]
-    return BucketSpec(tuple(indices), tuple(offsets), tuple(numels[i] for i in indices), offset)
+    return [tuple(bucket) for bucket in closed]

@@ -64,6 +64,10 @@ class Case:
     steps: int = 3
     accumulate: int = 0  # no_sync micro-batches before each synchronised one
     extra_ranks: Tuple[int, ...] = ()  # ranks whose forward uses the ``sometimes`` layer
+    extra_in_sync: bool = True  # False: only in the no_sync micro-batches
+    # pyddp.reducer.IN_PLACE_MIN_BYTES for the case (None: the default): 256 makes
+    # every weight of Net reduced in place and every bias packed.
+    in_place_min_bytes: Optional[int] = 256
     set_to_none: bool = True
     seed: int = 0
 
@@ -82,6 +86,10 @@ def make_optimizer(case: Case, params) -> torch.optim.Optimizer:
 def batch(case: Case, step: int, micro: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(((case.seed * 1009 + step) * 101 + micro) * 13 + rank)
     return torch.randn(BATCH, IN, generator=gen), torch.randint(0, OUT, (BATCH,), generator=gen)
+
+
+def uses_extra(case: Case, rank: int, micro: int) -> bool:
+    return rank in case.extra_ranks and (case.extra_in_sync or micro < case.accumulate)
 
 
 def grads(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
@@ -107,7 +115,7 @@ def train(case: Case, model: nn.Module, wrapped: Callable, rank: int,
             x, y = batch(case, step, micro, rank)
             sync = micro == case.accumulate
             with contextlib.nullcontext() if sync else no_sync():
-                loss = F.cross_entropy(wrapped(x, use_extra=rank in case.extra_ranks), y)
+                loss = F.cross_entropy(wrapped(x, use_extra=uses_extra(case, rank, micro)), y)
                 loss.backward()
         record = {"grads": grads(model)}
         opt.step()
@@ -126,7 +134,7 @@ def reference(case: Case, world_size: int) -> List[Dict[str, Any]]:
         for micro in range(case.accumulate + 1):
             for rank in range(world_size):
                 x, y = batch(case, step, micro, rank)
-                out = model(x, use_extra=rank in case.extra_ranks)
+                out = model(x, use_extra=uses_extra(case, rank, micro))
                 (F.cross_entropy(out, y) / world_size).backward()
         record = {"grads": grads(model)}
         opt.step()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+import pyddp.reducer
 from ddp_cases import (BATCH, HIDDEN, IN, OUT, Case, Net, assert_close_records,
                        assert_identical_records, batch, make_model, pack, reference, train,
                        unpack)
@@ -53,7 +54,13 @@ def ranks(request):
 def _train_both(ctx: RankContext, case: Case) -> bytes:
     """``case`` trained with pyddp's DDP and with torch's DDP (gloo)."""
     model = make_model(case, ctx.rank)
-    ddp = DistributedDataParallel(model, **case.ddp)
+    default = pyddp.reducer.IN_PLACE_MIN_BYTES
+    if case.in_place_min_bytes is not None:
+        pyddp.reducer.IN_PLACE_MIN_BYTES = case.in_place_min_bytes
+    try:
+        ddp = DistributedDataParallel(model, **case.ddp)
+    finally:
+        pyddp.reducer.IN_PLACE_MIN_BYTES = default
     ours = train(case, model, ddp, ctx.rank, ddp.no_sync)
     torch_model = make_model(case, ctx.rank)
     torch_ddp = TorchDDP(torch_model, **case.ddp)
@@ -168,6 +175,25 @@ def _unused_without_flag(ctx: RankContext) -> list:
     return messages
 
 
+def _unused_keeps_its_own_gradient(ctx: RankContext) -> None:
+    """A parameter no rank uses keeps whatever grad it had, even one that differs per rank."""
+    default = pyddp.reducer.IN_PLACE_MIN_BYTES
+    for in_place_min_bytes in (1, None):  # everything in place; everything packed
+        model = make_model(Case(model={"extra": True}), ctx.rank)
+        if in_place_min_bytes is not None:
+            pyddp.reducer.IN_PLACE_MIN_BYTES = in_place_min_bytes
+        try:
+            ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        finally:
+            pyddp.reducer.IN_PLACE_MIN_BYTES = default
+        stale = torch.full_like(model.unused.weight, float(ctx.rank + 1))
+        model.unused.weight.grad = stale.clone()
+        x, y = batch(Case(), 0, 0, ctx.rank)
+        F.cross_entropy(ddp(x), y).backward()
+        assert torch.equal(model.unused.weight.grad, stale), in_place_min_bytes
+        assert model.unused.bias.grad is None and model.sometimes.weight.grad is None
+
+
 def _mismatched_models(ctx: RankContext) -> list:
     messages = []
     model = make_model(Case(), ctx.rank)
@@ -262,8 +288,11 @@ def _fail_mid_backward(ctx: RankContext) -> tuple:
 
 CASES = {
     "sgd": Case(),
+    "sgd-all-packed": Case(in_place_min_bytes=None, seed=13),
     "adam": Case(optimizer="adam", seed=1),
     "cap-below-a-parameter": Case(ddp={"bucket_cap_mb": 0.0001}, seed=2),  # 104 bytes
+    "cap-below-a-parameter-all-packed": Case(ddp={"bucket_cap_mb": 0.0001}, seed=14,
+                                             in_place_min_bytes=None),
     "small-caps-adam": Case(ddp={"bucket_cap_mb": 0.001}, optimizer="adam", seed=3),
     "mixed-dtypes": Case(model={"mixed": True}, ddp={"bucket_cap_mb": 0.001}, seed=4),
     "bucket-view": Case(ddp={"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001},
@@ -280,6 +309,14 @@ CASES = {
                                     "gradient_as_bucket_view": True}),
     "unused-no-sync": Case(model={"extra": True}, extra_ranks=(0,), accumulate=1, seed=11,
                            ddp={"find_unused_parameters": True}),
+    # Used in a no_sync backward only: reduced (torch's local_used_map), not left alone.
+    "used-only-under-no-sync": Case(model={"extra": True}, extra_ranks=(0,), accumulate=1,
+                                    extra_in_sync=False, seed=15,
+                                    ddp={"find_unused_parameters": True}),
+    "used-only-under-no-sync-all-packed": Case(model={"extra": True}, extra_ranks=(0,),
+                                               accumulate=1, extra_in_sync=False, seed=16,
+                                               in_place_min_bytes=None,
+                                               ddp={"find_unused_parameters": True}),
     "batchnorm": Case(model={"batchnorm": True}, optimizer="adam", seed=12),
 }
 
@@ -383,6 +420,10 @@ def test_unused_parameters_without_the_flag_are_named_in_the_same_backward(ranks
             assert "received no gradient in this backward" in m, m
             assert "unused.weight, unused.bias, sometimes.weight, sometimes.bias" in m, m
             assert "find_unused_parameters=True" in m, m
+
+
+def test_gradient_of_a_parameter_no_rank_used_is_left_alone(ranks):
+    ranks.run(_unused_keeps_its_own_gradient)
 
 
 def test_mismatched_models_fail_on_every_rank_naming_parameter_and_ranks(ranks):
