@@ -47,7 +47,7 @@ class DigitsCNN(nn.Module):
 
 
 def load_digits(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(train images, train labels, test images, test labels); 20% held out, the same split everywhere."""
+    """(train images, train labels, test images, test labels); the same 20% held out everywhere."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     data = sklearn_digits()

@@ -27,7 +27,7 @@ DEFAULT_CAP_BYTES = 25 * 1024 * 1024
 """torch DDP's default ``bucket_cap_mb`` (25 MiB)."""
 
 DEFAULT_FIRST_CAP_BYTES = 1024 * 1024
-"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap when the cap is the default."""
+"""torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap under the default cap."""
 
 
 def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int], keys: Sequence[Hashable],

@@ -21,7 +21,7 @@ built-in communication hooks (``allreduce_hook``, ``fp16_compress_hook``,
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -61,8 +61,9 @@ class DistributedDataParallel(nn.Module):
             bucket, so no gradient is copied after the all-reduce.
     """
 
-    def __init__(self, module: nn.Module, device_ids: Optional[Sequence[Union[int, torch.device]]]
-                 = None, output_device: Optional[Union[int, torch.device]] = None, *,
+    def __init__(self, module: nn.Module,
+                 device_ids: Optional[Sequence[Union[int, torch.device]]] = None,
+                 output_device: Optional[Union[int, torch.device]] = None, *,
                  broadcast_buffers: bool = True, process_group: Optional[ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False) -> None:
@@ -113,8 +114,9 @@ class DistributedDataParallel(nn.Module):
     def _check_devices(self, module: nn.Module, device_ids, output_device) -> torch.device:
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1:
-            raise ValueError(self._error(f"the module's parameters are on {sorted(map(str, devices))}; "
-                                         "pyddp DDP needs a module on a single device"))
+            raise ValueError(self._error(f"the module's parameters are on "
+                                         f"{sorted(map(str, devices))}; pyddp DDP needs a "
+                                         "module on a single device"))
         device = devices.pop()
         if device.type == "cpu":
             if device_ids is not None or output_device is not None:
@@ -122,13 +124,15 @@ class DistributedDataParallel(nn.Module):
                     f"device_ids={device_ids} and output_device={output_device} must be None "
                     "for a CPU module"))
         elif device_ids is not None:
-            if len(device_ids) != 1 or torch.device(device.type, device_ids[0]) != device:
+            wanted = [d if isinstance(d, torch.device) else torch.device(device.type, d)
+                     for d in device_ids]
+            if wanted != [device]:
                 raise ValueError(self._error(f"device_ids={list(device_ids)} must name the "
                                              f"module's device, {device}"))
         return device
 
     def _check_same_model_on_every_rank(self) -> None:
-        """Raises on every rank, naming the first differing parameter, if the ranks' models differ."""
+        """Raises on every rank, naming the first difference, if the ranks' models differ."""
         mine = [f"parameter {name!r}: {_describe(p)}" for name, p in self.module.named_parameters()]
         if self.broadcast_buffers:
             mine += [f"buffer {name!r}: {_describe(b)}" for name, b in self.module.named_buffers()]
@@ -214,7 +218,7 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = old
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Reduces every bucket with ``hook(state, bucket)`` (torch's signature); once, before training.
+        """Reduces each bucket with ``hook(state, bucket)`` (torch's signature); call it once.
 
         ``bucket`` is a ``GradBucket`` (``buffer()``, ``index()``, ``is_last()``,
         ``parameters()``, ``gradients()``); the hook returns a
@@ -234,7 +238,7 @@ class DistributedDataParallel(nn.Module):
 
 def allreduce_hook(process_group: Optional[ProcessGroup], bucket: GradBucket
                    ) -> torch.futures.Future:
-    """Averages ``bucket`` over ``process_group`` (None: the default group); what DDP does without a hook."""
+    """Averages ``bucket`` over ``process_group`` (None: the default group), as without a hook."""
     group = process_group if process_group is not None else get_default_group()
     future = group.all_reduce(bucket.buffer(), ReduceOp.AVG, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])

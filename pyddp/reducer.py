@@ -320,14 +320,16 @@ class Reducer:
     def _wait(self, b: int) -> Optional[torch.Tensor]:
         """Waits for bucket ``b``'s collectives; returns the comm hook's result, if any."""
         bucket = self._buckets[b]
-        what = (f"bucket {b} of {len(self._buckets)} "
+        what = (f"bucket {b} (0-based, of {len(self._buckets)}) "
                 f"({', '.join(self._names[i] for i in bucket.indices[:3])}"
                 f"{', ...' if len(bucket.indices) > 3 else ''})")
         try:
             values = [result.wait() for result in bucket.results]
         except Exception as error:
-            raise RuntimeError(self._error(f"the gradient all-reduce of {what} failed: {error}")
-                               ) from error
+            raise RuntimeError(self._error(
+                f"the gradient all-reduce of {what} failed: {error}. Every rank must run the "
+                "same synchronised backward; a rank that raised or died part-way through its "
+                "backward never starts its remaining all-reduces")) from error
         if self._hook is None:
             return None
         value = values[0]

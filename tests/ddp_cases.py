@@ -168,7 +168,8 @@ def assert_close_records(actual: List[Dict[str, Any]], expected: List[Dict[str, 
                     assert got is None and want is None, f"{where}: got {got}, expected {want}"
                     continue
                 assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
-                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                                           msg=lambda m: f"{where}: {m}")
 
 
 def assert_identical_records(records_by_rank: List[List[Dict[str, Any]]], what: str) -> None:
@@ -181,4 +182,4 @@ def assert_identical_records(records_by_rank: List[List[Dict[str, Any]]], what: 
                     u = b[kind][name]
                     same = (t is None and u is None) or (
                         t is not None and u is not None and torch.equal(t, u))
-                    assert same, f"{what}: step {step} {kind} {name} differs between rank 0 and {rank}"
+                    assert same, f"{what}: step {step} {kind} {name}: rank {rank} != rank 0"

@@ -21,11 +21,11 @@ from torch import nn
 
 import pyddp
 import pyddp.reducer
-from ddp_cases import (BATCH, HIDDEN, IN, OUT, Case, Net, assert_close_records,
+from ddp_cases import (HIDDEN, OUT, Case, Net, assert_close_records,
                        assert_identical_records, batch, make_model, pack, reference, train,
                        unpack)
 from harness import RankContext, Ranks
-from pyddp.ddp import (DistributedDataParallel, GradBucket, bf16_compress_hook,
+from pyddp.ddp import (DistributedDataParallel, GradBucket, allreduce_hook, bf16_compress_hook,
                        fp16_compress_hook)
 
 TorchDDP = torch.nn.parallel.DistributedDataParallel
@@ -109,7 +109,8 @@ def _buffers(ctx: RankContext, broadcast: bool) -> bytes:
 def _grads_with_hook(ctx: RankContext, hook_name: str) -> bytes:
     model = make_model(Case(), ctx.rank)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
-    hook = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook_name]
+    hook = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook,
+            "avg": allreduce_hook}[hook_name]
     ddp.register_comm_hook(None, hook)
     x, y = batch(Case(), 0, 0, ctx.rank)
     F.cross_entropy(ddp(x), y).backward()
@@ -349,7 +350,8 @@ def test_no_sync_backward_does_not_communicate(ranks, as_view):
         x, y = batch(Case(), 0, 0, rank)
         F.cross_entropy(model(x), y).backward()
         for name, p in model.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(grads[name], p.grad,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 def test_buffers_are_broadcast_before_each_forward_as_torch_does(ranks):
@@ -392,6 +394,13 @@ def test_compression_hooks_average_in_half_precision(ranks, hook_name, dtype):
             ulp = 2 ** -10 if dtype == torch.float16 else 2 ** -7
             torch.testing.assert_close(grad, compressed, rtol=ulp, atol=1e-6)
             torch.testing.assert_close(grad, exact, rtol=4 * ulp, atol=1e-4)
+
+
+def test_allreduce_hook_averages_like_no_hook(ranks):
+    expected = reference(Case(steps=1), ranks.world_size)[1]["grads"]
+    for grads in (unpack(r) for r in ranks.run(_grads_with_hook, "avg")):
+        for name, g in grads.items():
+            torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7)
 
 
 def test_custom_comm_hook_gets_torchs_bucket_api(ranks):
@@ -458,7 +467,7 @@ def test_a_rank_failing_mid_backward_is_named_by_the_others(ranks):
 def test_constructor_arguments_are_checked():
     group = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="rank 0: device_ids=\\[0\\] .* must be None for a CPU"):
+        with pytest.raises(ValueError, match=r"rank 0: device_ids=\[0\] .* must be None for a CPU"):
             DistributedDataParallel(Net(), device_ids=[0], process_group=group)
         with pytest.raises(ValueError, match="no parameter that requires a gradient"):
             DistributedDataParallel(nn.ReLU(), process_group=group)
