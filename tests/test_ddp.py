@@ -132,7 +132,10 @@ def _custom_hook(ctx: RankContext) -> bytes:
                        g.data_ptr() < buffer.data_ptr() + buffer.numel() * buffer.element_size()
                        for g in bucket.gradients())
         names = [n for p in bucket.parameters() for n, q in model.named_parameters() if p is q]
-        seen.append((bucket.index(), bucket.is_last(), names, views_ok, buffer.numel()))
+        # fc1's gradient is the last one backward computes: a bucket started
+        # before it exists overlaps with the rest of backward.
+        during_backward = model.fc1.weight.grad is None
+        seen.append((bucket.index(), bucket.is_last(), names, views_ok, during_backward))
         fut = group.all_reduce(buffer, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0] / group.size())
 
@@ -412,6 +415,7 @@ def test_custom_comm_hook_gets_torchs_bucket_api(ranks):
         assert [s[0] for s in seen] == list(range(len(seen))) and len(seen) > 2, seen
         assert [s[1] for s in seen] == [False] * (len(seen) - 1) + [True]
         assert all(s[3] for s in seen), "gradients() are not views into buffer()"
+        assert [s[4] for s in seen] == [True] * (len(seen) - 1) + [False], seen
         in_buckets = [name for s in seen for name in s[2]]
         assert in_buckets == list(reversed(names)), in_buckets
         for name, g in grads.items():
