@@ -125,7 +125,7 @@ class DistributedDataParallel(nn.Module):
                     "for a CPU module"))
         elif device_ids is not None:
             wanted = [d if isinstance(d, torch.device) else torch.device(device.type, d)
-                     for d in device_ids]
+                      for d in device_ids]
             if wanted != [device]:
                 raise ValueError(self._error(f"device_ids={list(device_ids)} must name the "
                                              f"module's device, {device}"))
