@@ -44,6 +44,7 @@ from .process_group import (
     reduce_scatter_tensor,
     register_torch_backend,
 )
+from .ddp import DistributedDataParallel
 from .rendezvous import local_rank
 
 
@@ -66,6 +67,7 @@ register_torch_backend()
 
 __all__ = [
     "BACKENDS",
+    "DistributedDataParallel",
     "ProcessGroup",
     "ReduceOp",
     "RingOptions",
