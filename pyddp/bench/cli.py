@@ -104,10 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-r", "--root", type=_int_at_least(0), default=0,
                         help="root rank of broadcast (default: 0)")
     parser.add_argument("-n", "--iters", type=_int_at_least(1), default=None,
-                        help="timed iterations per point (default: adaptive, about "
-                             "--target-time seconds and at least 5)")
-    parser.add_argument("--target-time", type=_positive_float, default=0.2,
-                        help="seconds per point when --iters is adaptive (default: 0.2)")
+                        help="timed iterations per block (default: adaptive, so that the "
+                             "blocks of a point take about --target-time seconds in all)")
+    parser.add_argument("--trials", type=_int_at_least(1), default=5,
+                        help="timed blocks per point; backends take turns block by block and "
+                             "the median block is reported (default: 5)")
+    parser.add_argument("--target-time", type=_positive_float, default=0.25,
+                        help="seconds per point, all blocks together, when --iters is "
+                             "adaptive (default: 0.25)")
     parser.add_argument("-w", "--warmup", type=_int_at_least(0), default=3,
                         help="untimed iterations before each point (default: 3)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -187,7 +191,8 @@ def parse_options(argv: Optional[Sequence[str]] = None,
     plan = Plan(world_size=world_size, sizes=sizes, ops=args.ops, backends=args.backends,
                 dtype=args.dtype, redop=args.redop, root=args.root, iters=args.iters,
                 warmup=args.warmup, target_seconds=args.target_time,
-                timeout_seconds=args.timeout, check=args.check, threads=args.threads)
+                timeout_seconds=args.timeout, check=args.check, threads=args.threads,
+                trials=args.trials)
     baselines = ({device: args.baseline for device in BASELINES} if args.baseline
                  else dict(BASELINES))
     return Options(plan, baselines, args.json, args.csv, args.plot, args.quiet)

@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -37,7 +38,8 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 
-MIN_ITERS = 5
+MIN_ITERS = 2
+"""Iterations per timed block at least, however slow a call is."""
 MAX_ITERS = 1_000_000
 PROBE_ITERS = 3
 
@@ -65,6 +67,7 @@ class Plan:
     timeout_seconds: float
     check: bool
     threads: int
+    trials: int
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -105,10 +108,9 @@ def launched_rank(environ: Optional[dict[str, str]] = None) -> Optional[Launch]:
 def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
     """Measures every (size, op, backend) point on this rank, sizes outermost.
 
-    Every rank yields the same events. Backends alternate within a size, so
-    slow drifts of a shared machine hit them alike. The default
-    torch.distributed group (gloo) is created first: it carries the
-    bookkeeping collectives and is the "gloo" backend.
+    Every rank yields the same events. The default torch.distributed group
+    (gloo) is created first: it carries the bookkeeping collectives and is the
+    "gloo" backend.
     """
     timeout = datetime.timedelta(seconds=plan.timeout_seconds)
     ctx = RankContext(launch.rank, launch.world_size, launch.local_rank,
@@ -140,7 +142,8 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                             cases[backend.device] = OPS[op](
                                 size, dtype, backend.device, launch.rank, launch.world_size,
                                 plan.redop, plan.root)
-                        yield _measure(op, cases[backend.device], backend, plan)
+                    yield from _measure(op, [_Point(op, cases[b.device], b) for b in active[op]],
+                                        plan)
     finally:
         dist.destroy_process_group()
 
@@ -157,32 +160,71 @@ def _agree(reason: Optional[str]) -> Optional[str]:
     return "; ".join(f"rank {r}: {text}" for r, text in given.items())
 
 
-def _measure(op: str, case: Case, backend: Backend, plan: Plan) -> Result:
-    """The timing loop: warm up, agree on iterations, time them, then check one fresh run."""
-    try:
-        run = case.bind(backend)
-        case.reset()
-        for _ in range(plan.warmup):
-            run()
-        backend.sync()
-        iters = plan.iters if plan.iters is not None else _calibrate(run, backend,
-                                                                      plan.target_seconds)
-        backend.barrier()
-        seconds = _max_over_ranks(_time(run, backend, iters))
-        wrong = None
-        if plan.check:
-            case.reset()
-            run()
-            backend.sync()
-            wrong = _sum_over_ranks(case.count_wrong())
-    except Exception as error:
-        raise RuntimeError(f"rank {dist.get_rank()}: {backend.name} {op} of {case.nbytes} bytes "
-                           f"failed: {error}") from error
+class _Point:
+    """One (op, size, backend) being measured: its bound call, iterations and trial times."""
+
+    def __init__(self, op: str, case: Case, backend: Backend) -> None:
+        self.op = op
+        self.case = case
+        self.backend = backend
+        self.iters = 0
+        self.trial_seconds: list[float] = []
+        try:
+            self.run = case.bind(backend)
+        except Exception as error:
+            raise self.error(error) from error
+
+    def error(self, error: Exception) -> RuntimeError:
+        """``error`` with the rank and the point it happened at."""
+        return RuntimeError(f"rank {dist.get_rank()}: {self.backend.name} {self.op} of "
+                            f"{self.case.nbytes} bytes failed: {error}")
+
+
+def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
+    """The timing loop for one (op, size) over every backend that runs it.
+
+    Each backend warms up and calibrates its iteration count; then the
+    backends take turns, ``plan.trials`` timed blocks each, so a burst of load
+    on a shared machine hits them alike; the time reported is the median
+    block (each block's time is the slowest rank's). Last, with --check,
+    each runs once more from fresh inputs and its output is compared with the
+    local reference.
+    """
+    target = plan.target_seconds / plan.trials
+    for point in points:
+        try:
+            point.case.reset()
+            for _ in range(plan.warmup):
+                point.run()
+            point.backend.sync()
+            point.iters = plan.iters or _calibrate(point.run, point.backend, target)
+        except Exception as error:
+            raise point.error(error) from error
+    for _ in range(plan.trials):
+        for point in points:
+            try:
+                point.backend.barrier()
+                point.trial_seconds.append(
+                    _max_over_ranks(_time(point.run, point.backend, point.iters)))
+            except Exception as error:
+                raise point.error(error) from error
     redop = plan.redop if op in REDUCING_OPS else "none"
     root = plan.root if op == "broadcast" else -1
-    return Result.from_timing(op, backend.name, backend.detail, backend.device.type,
-                              plan.world_size, case.nbytes, case.count, plan.dtype, redop, root,
-                              iters, seconds, wrong)
+    for point in points:
+        wrong = None
+        if plan.check:
+            try:
+                point.case.reset()
+                point.run()
+                point.backend.sync()
+                wrong = _sum_over_ranks(point.case.count_wrong())
+            except Exception as error:
+                raise point.error(error) from error
+        backend = point.backend
+        yield Result.from_timing(op, backend.name, backend.detail, backend.device.type,
+                                 plan.world_size, point.case.nbytes, point.case.count,
+                                 plan.dtype, redop, root, point.iters,
+                                 statistics.median(point.trial_seconds), wrong)
 
 
 def _calibrate(run: Run, backend: Backend, target_seconds: float) -> int:
