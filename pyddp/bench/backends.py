@@ -447,25 +447,31 @@ class DeepSpeedShmBackend:
         self.detail = f"DeepSpeed {version} shm all_reduce"
 
     @staticmethod
-    def _builder() -> "object":
+    @functools.lru_cache(maxsize=None)
+    def _load() -> "object":
+        """DeepSpeed's shm comm extension, JIT-built the first time (then from the cache)."""
         from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-        return ShareMemCommBuilder()
+        builder = ShareMemCommBuilder()
+        if not builder.is_compatible():
+            raise RuntimeError(f"DeepSpeed says its {builder.NAME} op is not compatible here")
+        return builder.load(verbose=False)
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
         if importlib.util.find_spec("deepspeed") is None:
             return "deepspeed is not installed"
-        builder = cls._builder()
-        if not builder.is_compatible():
-            return f"DeepSpeed's {builder.NAME} op cannot be built here"
+        try:
+            cls._load()
+        except Exception as error:  # any build failure makes the backend unavailable
+            return f"DeepSpeed's shm op could not be built: {error}"
         return None
 
     @classmethod
     def open(cls, ctx: RankContext) -> "DeepSpeedShmBackend":
         import deepspeed
 
-        module = cls._builder().load()
+        module = cls._load()
         store = ctx.store(cls.name)
         if ctx.rank == 0:
             store.set("token", secrets.token_hex(8))
