@@ -1,12 +1,12 @@
 """The libraries under test, behind one small protocol.
 
-Each entry of ``BACKENDS`` is a class with three class-level members:
-``probe(ctx)`` says in a rank, before any group is joined, why the backend
-cannot run here (None when it can; the ranks agree on the answer before
-acting on it), ``open(ctx)`` joins its group, and ``device`` says where its
-tensors live. An opened backend hands out *bound* collectives: a function that
-runs one collective on given buffers, so per-call conversions (to numpy for
-MPI, say) happen once per buffer, not once per timed call.
+Each entry of ``BACKENDS`` is a class with two class methods: ``probe(ctx)``
+says in a rank, before any group is joined, why the backend cannot run here
+(None when it can; the ranks agree on the answer before acting on it), and
+``open(ctx)`` joins its group and returns a Backend. A Backend hands out
+*bound* collectives: a function that runs one collective on given buffers, so
+per-call conversions (to numpy for MPI, say) happen once per buffer, not once
+per timed call.
 
 A peer is added by writing such a class and listing it in ``BACKENDS``.
 """
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import pyddp
 
 MPIRUN_VERSION_SECONDS = 30.0
+"""How long ``mpirun --version`` may take (it answers in well under a second)."""
 
 Run = Callable[[], None]
 """One blocking call of a collective on fixed buffers."""
