@@ -10,6 +10,7 @@ are written. Speed is never asserted.
 """
 
 import csv
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -265,30 +266,45 @@ def test_render_lists_skips_and_unchecked_runs():
     assert failed.endswith("# wrong elements: 3 FAILED")
 
 
+class _FakeBar:
+    """Stands in for tqdm.tqdm: records what the progress bar is told."""
+
+    def __init__(self, total, **kwargs):
+        self.total, self.n, self.closed, self.kwargs = total, 0, False, kwargs
+
+    def refresh(self):
+        pass
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfix = text
+
+    def update(self):
+        self.n += 1
+
+    def close(self):
+        self.closed = True
+
+
 def test_progress_total_shrinks_with_skips(monkeypatch):
-    pytest.importorskip("tqdm")
-
-    class Terminal:
-        def isatty(self):
-            return True
-
-        def write(self, text):
-            return len(text)
-
-        def flush(self):
-            pass
-
-    monkeypatch.setattr(sys, "stderr", Terminal())
+    fake = types.ModuleType("tqdm")
+    fake.__spec__ = importlib.machinery.ModuleSpec("tqdm", None)
+    fake.tqdm = _FakeBar
+    monkeypatch.setitem(sys.modules, "tqdm", fake)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     plan = cli.parse_options(["-b", "4K", "-e", "64K", "-f", "4", "--ops", "all_reduce,broadcast",
                               "--backends", "pyddp,gloo,deepspeed"]).plan
     progress = cli._Progress(plan, quiet=False)
-    assert progress._bar.total == 3 * 2 * 3
+    bar = progress._bar
+    assert bar.total == 3 * 2 * 3 and bar.kwargs["file"] is sys.stderr
     progress(Skipped("deepspeed", "broadcast", "all_reduce only"))
     progress(Skipped("gloo", None, "gone"))
     progress(_result("pyddp", 4096, 1.0))
-    assert (progress._bar.total, progress._bar.n) == (18 - 3 - 6, 1)
+    assert (bar.total, bar.n, bar.postfix) == (18 - 3 - 6, 1, "all_reduce pyddp 4K")
     progress.close()
+    assert bar.closed
     assert cli._Progress(plan, quiet=True)._bar is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._Progress(plan, quiet=False)._bar is None
 
 
 # --- real runs --------------------------------------------------------------------------------

@@ -283,10 +283,14 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
             report.write_json(options.json_path, dataclasses.asdict(plan), results, skipped)
         if options.csv_path is not None:
             report.write_csv(options.csv_path, results)
-        if options.plot_path is not None and results:
-            plot.write_plot(options.plot_path, results, plan.ops, plan.backends,
-                            f"pyddp.bench: {plan.world_size} ranks, {plan.dtype}, "
-                            f"{os.uname().nodename}")
+        if options.plot_path is not None:
+            if results:
+                plot.write_plot(options.plot_path, results, plan.ops, plan.backends,
+                                f"pyddp.bench: {plan.world_size} ranks, {plan.dtype}, "
+                                f"{os.uname().nodename}")
+            else:
+                print(f"pyddp.bench: no results, so no plot at {options.plot_path}",
+                      file=sys.stderr)
     return 0 if all(not r.wrong for r in results) else 1
 
 
@@ -301,7 +305,8 @@ def ddp(argv: Sequence[str]) -> int:
               "this installation of pyddp", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog=f"python -m pyddp.bench {DDP_SUBCOMMAND}",
-                                     description=module.__doc__)
+                                     description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     return module.main(parser.parse_args(argv))
 
