@@ -291,8 +291,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   const auto release = py::call_guard<py::gil_scoped_release>();
   py::class_<RingBackend, c10d::Backend, c10::intrusive_ptr<RingBackend>>(m, "RingBackend")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&>(),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), release)
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&,
+                    c10::Device>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+           py::arg("device") = c10::Device(c10::kCPU), release)
       .def("all_reduce", &RingBackend::allReduce, py::arg("tensor"), py::arg("op"),
            py::arg("async_op"), release)
       .def("all_gather_single", &RingBackend::allGatherSingle, py::arg("output"),
@@ -305,7 +307,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input"), py::arg("op"), py::arg("async_op"), release)
       .def("barrier", &RingBackend::barrierAll, py::arg("async_op"), release)
       .def("shutdown", &RingBackend::shutdown, release)
-      .def_property_readonly("options", &RingBackend::options);
+      .def_property_readonly("options", &RingBackend::options)
+      .def_property_readonly("device", &RingBackend::device)
+      .def_property_readonly("transport", &RingBackend::transportName);
 
   bindTesting(m);
 }

@@ -14,6 +14,11 @@ namespace {
 
 using Ms = std::chrono::milliseconds;
 
+// A bootstrap blob starts with one of these: the transport's blob follows,
+// or why this rank could not set its transport up.
+constexpr const char* kBlobOk = "+";
+constexpr const char* kBlobFailed = "!";
+
 // An error's message without the C++ backtrace c10 errors carry: it goes
 // into other errors and to the peers.
 std::string messageOf(const std::exception& e) {
@@ -56,6 +61,11 @@ void copyBack(const at::Tensor& original, const at::Tensor& computed) {
   if (!original.is_same(computed)) original.copy_(computed);
 }
 
+std::vector<at::Tensor> withInput(std::vector<at::Tensor> tensors, const at::Tensor& input) {
+  tensors.push_back(input);
+  return tensors;
+}
+
 CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
                         RedOp op = RedOp::Sum, int root = -1,
                         Algo algo = Algo::Ring) {
@@ -86,18 +96,36 @@ std::optional<DataType> dataTypeOf(at::ScalarType t) {
 }
 
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                         int size, const RingOptions& options)
-    : c10d::Backend(rank, size), options_(options) {
+                         int size, const RingOptions& options, c10::Device device)
+    : c10d::Backend(rank, size), options_(options), device_(device) {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
+  PYDDP_CHECK_VALUE(device.is_cpu() || (device.is_cuda() && device.has_index()), "rank ", rank,
+                    ": RingBackend serves the CPU or one CUDA device (cuda:N), not ", device);
   const Ms timeout(options_.timeoutMs);
   // Wait for every rank before creating anything: a rank killed while
   // others are still missing leaves no shared memory behind.
   exchange(*store, "shm/hello", "", rank, size, timeout);
-  transport_ = std::make_unique<shm::ShmTransport>(rank, size, options_);
-  // phase 1: publish what peers need to reach us, learn theirs
-  const auto blobs = exchange(*store, "shm/blob", transport_->setup(), rank, size, timeout);
+  transport_ = makeTransport();
+  // phase 1: publish what peers need to reach us (or why we cannot be
+  // reached), learn theirs
+  std::string blob;
+  std::exception_ptr ownFailure;
+  try {
+    blob = kBlobOk + transport_->setup();
+  } catch (const std::exception& e) {
+    blob = kBlobFailed + messageOf(e);
+    ownFailure = std::current_exception();
+  }
+  auto blobs = exchange(*store, "shm/blob", blob, rank, size, timeout);
+  if (ownFailure) std::rethrow_exception(ownFailure);
+  for (int peer = 0; peer < size; ++peer) {
+    PYDDP_CHECK_COMM(blobs[peer].rfind(kBlobOk, 0) == 0, "rank ", rank, ": rank ", peer,
+                     " could not set up its ", transport_->name(), " transport: ",
+                     blobs[peer].substr(std::strlen(kBlobFailed)));
+    blobs[peer].erase(0, std::strlen(kBlobOk));
+  }
   // phase 2: reach every peer, and tell every peer whether we could: a
   // refusal (another host, no peer access) fails every rank alike
   std::string refusal;
@@ -116,8 +144,37 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                      refusals[peer], ")");
   }
   transport_->connected();
+  if (device_.is_cuda()) {
+    startMonitor();
+    return;  // device collectives run on the caller's thread
+  }
   worker_ = std::thread(workerLoop, exec_, this);
   exec_->workerId = worker_.get_id();
+}
+
+std::unique_ptr<Transport> RingBackend::makeTransport() {
+  if (device_.is_cpu()) return std::make_unique<shm::ShmTransport>(rank_, size_, options_);
+#ifdef PYDDP_WITH_CUDA
+  stream_ = std::make_unique<gpu::CollectiveStream>(device_);
+  auto ipc = std::make_unique<ipc::CudaIpcTransport>(rank_, size_, options_, device_.index(),
+                                                     stream_->stream().stream());
+  ipc_ = ipc.get();
+  return ipc;
+#else
+  PYDDP_CHECK_TYPE(false, "rank ", rank_, ": pyddp was built without CUDA, so it has no "
+                   "transport for ", device_, " tensors (rebuild against a CUDA build of torch "
+                   "with nvcc installed)");
+  return nullptr;
+#endif
+}
+
+void RingBackend::startMonitor() {
+#ifdef PYDDP_WITH_CUDA
+  monitor_ = std::make_unique<gpu::WorkMonitor>(
+      rank_, device_.index(), [this] { return ipc_->deviceError(); },
+      // Waits of kernels still queued end at once instead of at their timeout.
+      [this](const std::string&) { transport_->abort(); });
+#endif
 }
 
 RingBackend::~RingBackend() {
@@ -135,6 +192,9 @@ void RingBackend::shutdown() {
     dropped.swap(exec_->queue);
   }
   exec_->cv.notify_all();
+#ifdef PYDDP_WITH_CUDA
+  if (monitor_) monitor_->stop(c10::str("rank ", rank_, ": the process group was destroyed"));
+#endif
   if (transport_) transport_->abort();
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
@@ -190,8 +250,12 @@ void RingBackend::workerLoop(std::shared_ptr<Executor> exec, RingBackend* backen
 
 c10::intrusive_ptr<c10d::Work> RingBackend::submit(CollectiveDesc desc,
                                                    std::vector<at::Tensor> outputs,
+                                                   std::vector<at::Tensor> uses,
                                                    Transfer transfer, Finish finish,
                                                    bool asyncOp) {
+  if (device_.is_cuda()) {
+    return submitToDevice(desc, std::move(outputs), uses, transfer, finish, asyncOp);
+  }
   std::unique_lock<std::mutex> lock(exec_->mu);
   PYDDP_CHECK(!exec_->stop, "rank ", rank_, ": ", toString(desc.kind),
               " on a process group that was destroyed");
@@ -241,12 +305,58 @@ void RingBackend::run(Job& job) {
   job.work->complete();
 }
 
+c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
+    CollectiveDesc desc, std::vector<at::Tensor> outputs, const std::vector<at::Tensor>& uses,
+    const Transfer& transfer, const Finish& finish, bool asyncOp) {
+#ifdef PYDDP_WITH_CUDA
+  std::lock_guard<std::mutex> lock(deviceMu_);
+  PYDDP_CHECK(!shutDown_.load(), "rank ", rank_, ": ", toString(desc.kind),
+              " on a process group that was destroyed");
+  desc.seq = nextSeq_++;
+  const std::string what = c10::str(toString(desc.kind), " #", desc.seq);
+  const std::string failure = brokenBy_.empty() ? monitor_->failure() : brokenBy_;
+  PYDDP_CHECK_COMM(failure.empty(), "rank ", rank_, ": ", what, " refused: an earlier "
+                   "collective failed and left the process group unusable (", failure,
+                   "); destroy it and create a new one");
+  auto work = c10::make_intrusive<gpu::CudaWork>(rank_, desc.kind, what, device_, outputs,
+                                                 /*hostBlocking=*/desc.kind ==
+                                                     CollectiveKind::Barrier);
+  {
+    // Enqueue behind the caller's stream; the transport's verbs run on the
+    // internal stream, and so do the copies of finish().
+    gpu::StreamScope scope(*stream_);
+    for (const auto& t : outputs) scope.use(t);
+    for (const auto& t : uses) scope.use(t);
+    const algorithms::Call call{*transport_, desc, Clock::now() + Ms(options_.timeoutMs), rank_,
+                                size_};
+    try {
+      transfer(call);
+      finish();
+    } catch (const std::exception& e) {
+      // Some verbs may be on the stream already: this rank is out of step.
+      brokenBy_ = messageOf(e);
+      transport_->abandon(brokenBy_);
+      monitor_->fail(brokenBy_);
+      throw;
+    }
+    work->enqueued(stream_->stream());
+  }
+  monitor_->watch(work, Ms(options_.timeoutMs));
+  if (!asyncOp) work->synchronize();
+  return work;
+#else
+  PYDDP_CHECK(false, "unreachable: a device RingBackend in a build without CUDA");
+  return {};
+#endif
+}
+
 DataType RingBackend::checkTensor(const at::Tensor& t, const char* call,
                                   const char* what) const {
   PYDDP_CHECK_TYPE(t.defined(), "rank ", rank_, ": ", call, ": ", what,
                    " is an undefined tensor");
-  PYDDP_CHECK_TYPE(t.device().is_cpu(), "rank ", rank_, ": ", call, ": ", what,
-                   " is on ", t.device(), "; the shm backend takes CPU tensors only");
+  PYDDP_CHECK_TYPE(t.device() == device_, "rank ", rank_, ": ", call, ": ", what, " is on ",
+                   t.device(), "; this group's ", transport_->name(), " transport serves ",
+                   device_, " tensors only");
   PYDDP_CHECK_TYPE(t.layout() == at::kStrided, "rank ", rank_, ": ", call, ": ", what,
                    " has layout ", t.layout(), "; only dense (strided) tensors are supported");
   const auto dtype = dataTypeOf(t.scalar_type());
@@ -317,7 +427,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, R
   return submit(
       makeDesc(root < 0 ? CollectiveKind::AllReduce : CollectiveKind::Reduce, count, dtype,
                op, root, algo),
-      {tensor},
+      {tensor}, {buf},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
         switch (algo) {
@@ -346,7 +456,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& ou
   at::Tensor out = dense(output);
   const size_t es = elementSize(dtype);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), {output},
+      makeDesc(CollectiveKind::AllGather, count, dtype), {output}, {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -399,7 +509,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gatherTo(const std::vector<at::Tenso
   return submit(
       makeDesc(root < 0 ? CollectiveKind::AllGather : CollectiveKind::Gather, count, dtype,
                RedOp::Sum, root),
-      outputs,
+      outputs, withInput(outs, in),
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
@@ -420,7 +530,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tens
   const size_t count = tensor.numel();
   at::Tensor buf = dense(tensor);
   return submit(
-      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor},
+      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor}, {buf},
       [=](const algorithms::Call& c) {
         algorithms::chainBroadcast(c, buf.data_ptr(), count * elementSize(dtype), src);
       },
@@ -438,7 +548,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
   const auto s = spec(dtype, op);
   const size_t es = elementSize(dtype);
   return submit(
-      makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), {output},
+      makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), {output}, {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<const void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -450,7 +560,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
 }
 
 c10::intrusive_ptr<c10d::Work> RingBackend::barrierAll(bool asyncOp) {
-  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {},
+  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {}, {},
                 [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, asyncOp);
 }
 
@@ -564,7 +674,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(
   }
   const int64_t mine = static_cast<int64_t>(count) * rank_;
   return submit(
-      makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root), {output},
+      makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root), {output}, {whole},
       [=](const algorithms::Call& c) {
         algorithms::chainBroadcast(c, whole.data_ptr(), whole.numel() * elementSize(dtype),
                                    root);
