@@ -1,7 +1,9 @@
-"""The process group: a typed Python face over the C++ RingBackend.
+"""The process group: a typed Python face over the C++ backends.
 
 This is the only module that imports ``pyddp._C``. Names and argument order
-follow ``torch.distributed``.
+follow ``torch.distributed``. A group holds one C++ backend per device type:
+a RingBackend over shm for CPU tensors, and for CUDA tensors a RingBackend
+over cuda_ipc or an NcclBackend, as the group's ``backend`` asks.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,11 @@ _SUPPORTED_OPS = {
     ReduceOp.MIN: _C.RedOp.MIN,
     ReduceOp.MAX: _C.RedOp.MAX,
 }
-BACKENDS = ("shm",)
+HAS_CUDA: bool = _C.has_cuda
+# "shm": CPU tensors. "cuda_ipc" / "nccl": CUDA tensors on the current device.
+# "auto": shm for CPU tensors and, from the first CUDA collective on, cuda_ipc
+# when every rank shares this host and peer access works, NCCL otherwise.
+BACKENDS = ("shm", "auto", "cuda_ipc", "nccl") if HAS_CUDA else ("shm", "auto")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 # Each group gets its own store prefix, so a process can create, destroy and
@@ -85,13 +91,80 @@ def _finish(work: dist.Work, async_op: bool) -> Optional[Work]:
 class ProcessGroup:
     """A group of ranks that run collectives together (create with init_process_group)."""
 
-    def __init__(self, backend: _C.RingBackend, store: dist.Store, rank: int, world_size: int,
-                 timeout: datetime.timedelta) -> None:
-        self._backend = backend
+    def __init__(self, kind: str, store: dist.Store, prefix: str, rank: int, world_size: int,
+                 timeout: datetime.timedelta, options: RingOptions) -> None:
+        self._kind = kind
         self._store = store
+        self._prefix = prefix
         self._rank = rank
         self._world_size = world_size
+        self._options = options
         self.timeout = timeout
+        # One C++ backend per device type ("cpu", "cuda"), each on its own
+        # store prefix.
+        self._backends: Dict[str, object] = {}
+        if kind in ("shm", "auto"):
+            logger.info("rank %d/%d: group %s: CPU tensors over shm (every rank on one host; "
+                        "slot_bytes=%d, num_slots=%d, direct_max_bytes=%d, two_shot_max_bytes=%d, "
+                        "algo=%s)", rank, world_size, prefix, options.slot_bytes,
+                        options.num_slots, options.direct_max_bytes, options.two_shot_max_bytes,
+                        options.algo)
+            self._backends["cpu"] = self._ring(torch.device("cpu"))
+        elif kind == "cuda_ipc":
+            logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (asked for)",
+                        rank, world_size, prefix)
+            self._backends["cuda"] = self._ring(self._cuda_device())
+        elif kind == "nccl":
+            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL (asked for)",
+                        rank, world_size, prefix)
+            self._backends["cuda"] = self._nccl(self._cuda_device())
+
+    def _cuda_device(self) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"pyddp: rank {self._rank}: backend {self._kind!r} needs a CUDA "
+                               "device, and torch sees none")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _ring(self, device: torch.device) -> "_C.RingBackend":
+        store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
+        return _C.RingBackend(store, self._rank, self._world_size, self._options, device)
+
+    def _nccl(self, device: torch.device) -> "_C.NcclBackend":
+        store = dist.PrefixStore(f"{self._prefix}/nccl", self._store)
+        return _C.NcclBackend(store, self._rank, self._world_size, self._options.timeout_ms,
+                              device.index)
+
+    def _auto_cuda(self) -> object:
+        """The CUDA backend of an "auto" group, made at its first CUDA collective.
+
+        cuda_ipc when every rank can map every peer's memory (one host, peer
+        access proven by a write and a read); NCCL otherwise. Every rank
+        sees the same refusals, so all choose alike.
+        """
+        device = self._cuda_device()
+        try:
+            backend = self._ring(device)
+            logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (every rank reached "
+                        "every peer's memory on %s)", self._rank, self._world_size, self._prefix,
+                        device)
+        except dist.DistBackendError as refusal:
+            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL, because cuda_ipc "
+                        "cannot connect: %s", self._rank, self._world_size, self._prefix,
+                        str(refusal).splitlines()[0])
+            backend = self._nccl(device)
+        self._backends["cuda"] = backend
+        return backend
+
+    def _backend(self, t: torch.Tensor, call: str, what: str) -> object:
+        """The backend for tensors on ``t``'s device."""
+        backend = self._backends.get(t.device.type)
+        if backend is None and t.device.type == "cuda" and self._kind == "auto" and HAS_CUDA:
+            backend = self._auto_cuda()
+        if backend is None:
+            serves = " and ".join(sorted(self._backends)) or "no"
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} is on {t.device}; this "
+                            f"group (backend {self._kind!r}) serves {serves} tensors")
+        return backend
 
     def rank(self) -> int:
         return self._rank
@@ -101,7 +174,12 @@ class ProcessGroup:
 
     @property
     def options(self) -> RingOptions:
-        return self._backend.options
+        return self._options
+
+    @property
+    def backend(self) -> str:
+        """What the group was created with: "shm", "auto", "cuda_ipc" or "nccl"."""
+        return self._kind
 
     def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
         # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
@@ -125,14 +203,16 @@ class ProcessGroup:
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
         t = self._tensor(tensor, "all_reduce", "tensor")
-        return _finish(self._backend.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
+        backend = self._backend(t, "all_reduce", "tensor")
+        return _finish(backend.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                           ) -> Optional[Work]:
         """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
         out = self._tensor(output, "all_gather_single", "output")
         inp = self._tensor(input, "all_gather_single", "input")
-        return _finish(self._backend.all_gather_single(out, inp, async_op), async_op)
+        backend = self._backend(inp, "all_gather_single", "input")
+        return _finish(backend.all_gather_single(out, inp, async_op), async_op)
 
     all_gather_into_tensor = all_gather_single
 
@@ -146,14 +226,16 @@ class ProcessGroup:
             )
         outs = [self._tensor(t, "all_gather", "tensor_list entry") for t in tensor_list]
         inp = self._tensor(tensor, "all_gather", "tensor")
-        return _finish(self._backend.all_gather(outs, inp, async_op), async_op)
+        backend = self._backend(inp, "all_gather", "tensor")
+        return _finish(backend.all_gather(outs, inp, async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._tensor(tensor, "broadcast", "tensor")
         if not isinstance(src, int) or isinstance(src, bool):
             raise TypeError(f"pyddp: rank {self._rank}: broadcast: src must be an int, got {src!r}")
-        return _finish(self._backend.broadcast(t, src, async_op), async_op)
+        backend = self._backend(t, "broadcast", "tensor")
+        return _finish(backend.broadcast(t, src, async_op), async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
@@ -161,24 +243,26 @@ class ProcessGroup:
         out = self._tensor(output, "reduce_scatter_single", "output")
         inp = self._tensor(input, "reduce_scatter_single", "input")
         red = self._op(op, "reduce_scatter_single")
-        return _finish(self._backend.reduce_scatter_single(out, inp, red, async_op), async_op)
+        backend = self._backend(inp, "reduce_scatter_single", "input")
+        return _finish(backend.reduce_scatter_single(out, inp, red, async_op), async_op)
 
     reduce_scatter_tensor = reduce_scatter_single
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
-        """Returns once every rank has entered the barrier."""
-        return _finish(self._backend.barrier(async_op), async_op)
+        """Returns once every rank has entered the barrier (on the CPU backend if any)."""
+        backend = self._backends.get("cpu") or next(iter(self._backends.values()))
+        return _finish(backend.barrier(async_op), async_op)
 
     def shutdown(self) -> None:
-        """Stops the group's worker; pending collectives fail."""
-        self._backend.shutdown()
+        """Stops the group's backends; pending collectives fail."""
+        for backend in self._backends.values():
+            backend.shutdown()
 
     def __del__(self) -> None:
         # Join the worker here, where the binding releases the GIL: a last
         # reference dropped elsewhere could join it with the GIL held while
         # a future callback on the worker waits for the GIL.
-        backend = getattr(self, "_backend", None)
-        if backend is not None:
+        for backend in getattr(self, "_backends", {}).values():
             backend.shutdown()
 
 
@@ -193,6 +277,10 @@ def init_process_group(
 ) -> ProcessGroup:
     """Joins (and returns) the default process group.
 
+    ``backend``: "shm" (CPU tensors), "cuda_ipc" or "nccl" (CUDA tensors on
+    the current device), or "auto" (shm for CPU tensors; for CUDA tensors,
+    cuda_ipc when every rank can map every peer's memory, else NCCL; chosen
+    at the first CUDA collective, the reason logged at PYDDP_DEBUG=INFO).
     ``init_method`` is env:// (the default), tcp://host:port or file:///path;
     or pass a ready ``store`` with ``rank`` and ``world_size``. ``options``
     overrides the PYDDP_* settings of this group. Every wait of every
@@ -227,13 +315,8 @@ def new_group(
     opts = RingOptions(options) if options is not None else RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
-    prefix = f"pyddp/{next(_group_ids)}"
-    logger.info("rank %d/%d: joining group %s; transport shm for every peer (CPU tensors, "
-                "one host; slot_bytes=%d, num_slots=%d, direct_max_bytes=%d, algo=%s)",
-                rank, world_size, prefix, opts.slot_bytes, opts.num_slots,
-                opts.direct_max_bytes, opts.algo)
-    ring = _C.RingBackend(dist.PrefixStore(prefix, store), rank, world_size, opts)
-    return ProcessGroup(ring, store, rank, world_size, timeout)
+    return ProcessGroup(backend, store, f"pyddp/{next(_group_ids)}", rank, world_size, timeout,
+                        opts)
 
 
 def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:

@@ -98,20 +98,37 @@ _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 
-def _cuda_reason(ctx: RankContext) -> Optional[str]:
-    """Why this rank cannot have a CUDA device of its own; None if it can."""
+# Several ranks on one GPU: NCCL allows it from this version on, with
+# NCCL_MULTI_RANK_GPU_ENABLE=1; pyddp's cuda_ipc always does.
+NCCL_MULTI_RANK_GPU_VERSION = (2, 30)
+
+
+def _shares_gpu(ctx: RankContext) -> bool:
+    return torch.cuda.device_count() < ctx.local_world_size
+
+
+def _cuda_reason(ctx: RankContext, nccl: bool = False) -> Optional[str]:
+    """Why this rank cannot run a CUDA backend here; None if it can.
+
+    Ranks share GPUs round-robin when there are fewer than ranks (the GPU
+    machines of this project have one); NCCL then needs a recent version.
+    """
     if not torch.cuda.is_available():
         return "no CUDA device"
-    found = torch.cuda.device_count()
-    if found < ctx.local_world_size:
-        return (f"needs {ctx.local_world_size} CUDA devices on this host (one per rank), "
-                f"found {found}")
+    if nccl and _shares_gpu(ctx):
+        version = tuple(torch.cuda.nccl.version()[:2])
+        if version < NCCL_MULTI_RANK_GPU_VERSION:
+            return (f"{ctx.local_world_size} ranks on {torch.cuda.device_count()} GPU(s) need "
+                    f"NCCL >= {'.'.join(map(str, NCCL_MULTI_RANK_GPU_VERSION))}, "
+                    f"torch has {'.'.join(map(str, version))}")
     return None
 
 
 def _cuda_device(ctx: RankContext) -> torch.device:
-    device = torch.device("cuda", ctx.local_rank)
+    device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    if _shares_gpu(ctx):
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     return device
 
 
@@ -203,7 +220,7 @@ class TorchNcclBackend(_TorchGroupCalls):
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
-        reason = _cuda_reason(ctx)
+        reason = _cuda_reason(ctx, nccl=True)
         if reason is None and not dist.is_nccl_available():
             reason = "this torch build has no NCCL"
         return reason
@@ -241,7 +258,7 @@ class _PyddpBackend:
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
         if cls._cuda:
-            reason = _cuda_reason(ctx)
+            reason = _cuda_reason(ctx, nccl=cls._transport == "nccl")
             if reason is not None:
                 return reason
         available = tuple(getattr(pyddp, "BACKENDS", ()))
@@ -316,7 +333,7 @@ class PyddpIpcDirectBackend(_PyddpBackend):
 
 
 class PyddpNcclBackend(_PyddpBackend):
-    """pyddp's rings with NCCL send/recv as the transport."""
+    """NCCL's collectives through pyddp's NcclBackend."""
 
     name = "pyddp_nccl"
     _transport = "nccl"
