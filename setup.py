@@ -115,7 +115,11 @@ def default_arch_list():
     """TORCH_CUDA_ARCH_LIST when unset and no GPU is visible (see the docstring)."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
         return None
-    archs = [f"{a[3:-1]}.{a[-1]}" for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+    archs = []
+    for a in torch.cuda.get_arch_list():  # "sm_90", "sm_100", "sm_90a", "compute_90"
+        m = re.fullmatch(r"sm_(\d+)(\d)(a?)", a)
+        if m:
+            archs.append(f"{m.group(1)}.{m.group(2)}{m.group(3)}")
     return ";".join(archs) + "+PTX" if archs else "9.0"
 
 

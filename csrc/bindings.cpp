@@ -149,7 +149,8 @@ void bindNccl(py::module_& m) {
       const size_t count = k == CollectiveKind::ReduceScatter ? in.numel() / n : in.numel();
       at::Tensor out = k == CollectiveKind::AllGather
           ? at::empty({static_cast<int64_t>(count * n)}, in.options())
-          : k == CollectiveKind::ReduceScatter ? at::empty({static_cast<int64_t>(count)}, in.options())
+          : k == CollectiveKind::ReduceScatter
+          ? at::empty({static_cast<int64_t>(count)}, in.options())
           : k == CollectiveKind::Broadcast || inPlace ? in.clone() : at::empty_like(in);
       descs[r].seq = seqs.empty() ? 1 : seqs[r];
       descs[r].count = count;

@@ -25,6 +25,7 @@ import importlib.metadata
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -87,6 +88,36 @@ def test_nccl_backend_without_a_gpu_fails_clearly():
         assert "0 CUDA devices are visible" in message and "NCCL" in message
         with pytest.raises(ValueError, match="rank 2 is not in"):
             _C.NcclBackend(store, 2, 2, datetime.timedelta(seconds=5), 0)
+
+
+def _setup_py(env: dict, tmp_path) -> subprocess.CompletedProcess:
+    """Runs setup.py's build planning only (``--name``) with `env` added."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=120)
+
+
+def test_setup_refuses_a_cuda_build_it_cannot_make(tmp_path):
+    """A toolkit whose major version differs from torch's: a CPU-only build
+    with a warning saying why; forced with PYDDP_BUILD_CUDA=1, an error."""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    other = int(torch.version.cuda.split(".")[0]) - 1 if torch.version.cuda else 12
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {other}.4, V{other}.4.1'\n")
+    nvcc.chmod(0o755)
+    env = {"CUDA_HOME": str(tmp_path)}
+    planned = _setup_py(env, tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    forced = _setup_py({**env, "PYDDP_BUILD_CUDA": "1"}, tmp_path)
+    assert forced.returncode != 0
+    if torch.version.cuda:
+        why = (f"nvcc in {tmp_path} is CUDA {other}.4 but torch was built with CUDA "
+               f"{torch.version.cuda}")
+        assert "building the CPU-only extension (no CUDA, no NCCL): " + why in planned.stderr
+    else:
+        why = f"torch {torch.__version__} is a CPU build"
+        assert "CPU-only extension" not in planned.stderr, planned.stderr
+    assert "PYDDP_BUILD_CUDA=1, but the CUDA build is impossible: " + why in forced.stderr
 
 
 # --- the ring transport's logic over a simulated network ------------------------
@@ -188,7 +219,8 @@ def test_sim_missing_flush_is_caught():
     inputs = [torch.arange(100, dtype=torch.float32)] * 3
     _, errors = _sim("broadcast", inputs, [ReduceOp.SUM] * 3, root=1, flush=False,
                      timeout_ms=2000)
-    assert any("rank 1 finished broadcast #1 with a send still pending" in e for e in errors), errors
+    assert any("rank 1 finished broadcast #1 with a send still pending" in e
+               for e in errors), errors
     assert all(errors), errors
 
 

@@ -161,7 +161,7 @@ void CudaWork::waitHost(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mutex_);
     // setError() notifies cv_; the event needs polling.
     cv_.wait_for(lock, pause, [&] { return completed_; });
-    pause = std::min(pause * 2, std::chrono::duration_cast<std::chrono::microseconds>(kHostPollMax));
+    pause = std::min<std::chrono::microseconds>(pause * 2, kHostPollMax);
   }
 }
 
@@ -241,6 +241,7 @@ bool WorkMonitor::failPending(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.empty()) return false;
     failure_ = why;
+    dropCompleted();  // those succeeded
     failed.swap(pending_);
   }
   const auto error = commError(why);
@@ -278,7 +279,8 @@ void WorkMonitor::loop() {
     std::string why;
     try {
       // Event queries go to the backend's device: no context on device 0.
-      checkCuda(cudaSetDevice(device_), c10::str("cudaSetDevice(", static_cast<int>(device_), ")"));
+      checkCuda(cudaSetDevice(device_),
+                c10::str("cudaSetDevice(", static_cast<int>(device_), ")"));
       dropCompleted();
       const auto now = Clock::now();
       for (const auto& w : pending_) {

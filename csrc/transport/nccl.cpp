@@ -296,8 +296,8 @@ void NcclTransport::connect(const std::vector<std::string>& blobs) {
   }
   char* base = static_cast<char*>(deviceBuffer_);
   // The conversion to the private base is accessible here only.
-  ring_ = std::make_unique<p2p::P2pRing>(static_cast<p2p::P2pOps&>(*this), pieceBytes_, base + kCheckBytes,
-                                         base + kCheckBytes + scratch);
+  ring_ = std::make_unique<p2p::P2pRing>(static_cast<p2p::P2pOps&>(*this), pieceBytes_,
+                                         base + kCheckBytes, base + kCheckBytes + scratch);
 }
 
 Communicator& NcclTransport::comm() {

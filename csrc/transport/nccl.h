@@ -93,7 +93,9 @@ class Communicator {
 // backend's internal stream). No peer memory is mapped (peerMemory() is
 // null): direct algorithms do not apply. The backend must call flush()
 // after every collective's transfer, before it records the collective's
-// done event (see P2pRing::flush).
+// done event (see P2pRing::flush). Calls come from the backend's one
+// thread for collectives, with the device current (inside a StreamScope);
+// abort() may come from any thread.
 //
 // Bootstrap: rank 0's setup() blob carries a fresh unique id; every blob
 // carries the NCCL version, and connect() refuses mismatched versions.

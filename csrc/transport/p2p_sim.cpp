@@ -46,9 +46,10 @@ class Network {
     });
     if ((!s || s->done) && (!r || r->done)) return;
     if (!done) {
-      failLocked(c10::str("pyddp: rank ", rank, " deadlocked: its group (", s ? "send to the right" : "",
-                          s && r ? " and " : "", r ? "receive from the left" : "",
-                          ") did not complete within ", timeout_.count(), " ms"));
+      failLocked(c10::str("pyddp: rank ", rank, " deadlocked: its group (",
+                          s ? "send to the right" : "", s && r ? " and " : "",
+                          r ? "receive from the left" : "", ") did not complete within ",
+                          timeout_.count(), " ms"));
     }
     throwFailure();
   }
@@ -70,7 +71,10 @@ class Network {
       return !failure_.empty() || generation_ != generation;
     });
     if (generation_ != generation) return result_;
-    if (!done) failLocked(c10::str("pyddp: rank ", rank, " waited ", timeout_.count(), " ms in the check"));
+    if (!done) {
+      failLocked(c10::str("pyddp: rank ", rank, " waited ", timeout_.count(),
+                          " ms in the descriptor check"));
+    }
     throwFailure();
   }
 
@@ -110,8 +114,9 @@ class Network {
       Op& send = isSend ? *mine[k] : *theirs[k];
       Op& recv = isSend ? *theirs[k] : *mine[k];
       if (send.bytes != recv.bytes) {
-        failLocked(c10::str("pyddp: rank ", link, "'s send #", k, " of ", send.bytes, " bytes met rank ",
-                            (link + 1) % n_, "'s receive #", k, " of ", recv.bytes, " bytes"));
+        failLocked(c10::str("pyddp: rank ", link, "'s send #", k, " of ", send.bytes,
+                            " bytes met rank ", (link + 1) % n_, "'s receive #", k, " of ",
+                            recv.bytes, " bytes"));
       } else {
         std::memcpy(recv.data, send.data, send.bytes);
       }
@@ -233,7 +238,9 @@ std::vector<std::string> simulateRing(const std::vector<CollectiveDesc>& descs,
                     "simulateRing: one desc, spec, input and output per rank");
   Network net(n, timeout);
   std::vector<std::unique_ptr<SimTransport>> transports;
-  for (int r = 0; r < n; ++r) transports.push_back(std::make_unique<SimTransport>(net, r, pieceBytes));
+  for (int r = 0; r < n; ++r) {
+    transports.push_back(std::make_unique<SimTransport>(net, r, pieceBytes));
+  }
   std::vector<std::string> errors(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
