@@ -190,6 +190,7 @@ namespace {
 // The internal stream, after making it wait for the caller's current
 // stream (read before the scope makes the internal stream current).
 c10::cuda::CUDAStream afterCaller(CollectiveStream& s, Event& callerReady) {
+  c10::cuda::CUDAGuard device(s.device());
   callerReady.record(c10::cuda::getCurrentCUDAStream(s.device().index()).stream());
   callerReady.block(s.stream().stream());
   return s.stream();

@@ -47,22 +47,27 @@ at::Tensor apart(const at::Tensor& block, const at::Tensor& whole, int rank) {
   return at::get_overlap_status(block, whole) == at::MemOverlapStatus::No ? block : block.clone();
 }
 
+// The group's device, once the arguments are known to be valid.
+c10::Device checkedDevice(int rank, int size, int device) {
+  PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
+                    " is not in [0, world_size=", size, ")");
+  const int devices = c10::cuda::device_count();
+  PYDDP_CHECK_COMM(device >= 0 && device < devices, "rank ", rank,
+                   ": the NCCL backend needs CUDA device ", device, ", but ", devices,
+                   " CUDA devices are visible", devices == 0 ? " (no GPU, or no driver)" : "",
+                   "; NCCL ", nccl::versionString(), " runs collectives of CUDA tensors only");
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+}
+
 } // namespace
 
 NcclBackend::NcclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                          std::chrono::milliseconds timeout, int device)
     : c10d::Backend(rank, size),
       timeout_(timeout),
-      device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)) {
-  PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
-                    " is not in [0, world_size=", size, ")");
+      device_(checkedDevice(rank, size, device)) {
   PYDDP_CHECK_VALUE(timeout.count() > 0, "timeout must be positive, got ", timeout.count(),
                     " ms");
-  const int devices = c10::cuda::device_count();
-  PYDDP_CHECK_COMM(device >= 0 && device < devices, "rank ", rank,
-                   ": the NCCL backend needs CUDA device ", device, ", but ", devices,
-                   " CUDA devices are visible", devices == 0 ? " (no GPU, or no driver)" : "",
-                   "; NCCL ", nccl::versionString(), " runs collectives of CUDA tensors only");
   std::string id;
   if (rank == 0) {
     id = nccl::newUniqueId();
