@@ -129,7 +129,7 @@ std::string newUniqueId() {
 
 Communicator::Communicator(const std::string& uniqueId, int rank, int size,
                            c10::DeviceIndex device, Clock::time_point deadline)
-    : rank_(rank), size_(size), device_(device) {
+    : rank_(rank), device_(device) {
   PYDDP_CHECK(uniqueId.size() == NCCL_UNIQUE_ID_BYTES, "rank ", rank,
               ": malformed NCCL unique id of ", uniqueId.size(), " bytes");
   ncclUniqueId id;

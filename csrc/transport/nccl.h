@@ -81,7 +81,6 @@ class Communicator {
   void abortLocked();
 
   const int rank_;
-  const int size_;
   const c10::DeviceIndex device_;
   std::mutex mu_;
   ncclComm_t comm_ = nullptr;  // mu_; null once aborted or destroyed
