@@ -10,12 +10,14 @@
 #include "common/check.h"
 #include "kernels/cpu.h"
 #include "transport/shm.h"
+
+#include <sys/stat.h>
+
+// NCCL's backend and the simulation of its ring transport.
 #include "transport/p2p_sim.h"
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_backend.h"
 #endif
-
-#include <sys/stat.h>
 
 namespace py = pybind11;
 using namespace pyddp;
