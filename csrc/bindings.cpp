@@ -100,9 +100,12 @@ void bindNccl(py::module_& m) {
     return py::make_tuple(v[0], v[1], v[2]);
   }, "The NCCL library's version: (major, minor, patch).");
   py::class_<NcclBackend, c10d::Backend, c10::intrusive_ptr<NcclBackend>>(m, "NcclBackend")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
-                    int>(),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       int64_t timeoutMs, int device) {
+             return c10::make_intrusive<NcclBackend>(store, rank, size,
+                                                     std::chrono::milliseconds(timeoutMs), device);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
            py::arg("device"), release)
       .def("all_reduce", &NcclBackend::allReduce, py::arg("tensor"), py::arg("op"),
            py::arg("async_op"), release)
@@ -117,7 +120,8 @@ void bindNccl(py::module_& m) {
       .def("barrier", &NcclBackend::barrierAll, py::arg("async_op"), release)
       .def("shutdown", &NcclBackend::shutdown, release)
       .def_property_readonly("device", [](const NcclBackend& b) { return b.device().index(); })
-      .def_property_readonly("timeout", &NcclBackend::timeout);
+      .def_property_readonly("timeout_ms",
+                             [](const NcclBackend& b) { return b.timeout().count(); });
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -82,12 +82,12 @@ def test_nccl_backend_without_a_gpu_fails_clearly():
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         with pytest.raises(dist.DistBackendError) as err:
-            _C.NcclBackend(store, 0, 1, datetime.timedelta(seconds=5), 0)
+            _C.NcclBackend(store, 0, 1, 5000, 0)
         message = str(err.value)
         assert "rank 0" in message and "CUDA device 0" in message
         assert "0 CUDA devices are visible" in message and "NCCL" in message
         with pytest.raises(ValueError, match="rank 2 is not in"):
-            _C.NcclBackend(store, 2, 2, datetime.timedelta(seconds=5), 0)
+            _C.NcclBackend(store, 2, 2, 5000, 0)
 
 
 def _setup_py(env: dict, tmp_path) -> subprocess.CompletedProcess:
@@ -265,8 +265,8 @@ def _gpu_skip_reason():
 GPU_SKIP = _gpu_skip_reason()
 cuda = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
-TIMEOUT = datetime.timedelta(seconds=60)
-SHORT = datetime.timedelta(seconds=3)
+TIMEOUT_MS = 60_000
+SHORT_MS = 3_000
 GPU_COUNTS = [0, 1, 3, 1001, LARGE]
 
 
@@ -274,7 +274,7 @@ def _gpu_setup(ctx: RankContext) -> None:
     device = ctx.rank if torch.cuda.device_count() >= ctx.world_size else 0
     torch.cuda.set_device(device)
     ctx.state["device"] = torch.device("cuda", device)
-    for name, timeout in (("nccl", TIMEOUT), ("short", SHORT)):
+    for name, timeout in (("nccl", TIMEOUT_MS), ("short", SHORT_MS)):
         store = dist.FileStore(ctx.store_path(name), ctx.world_size)
         ctx.groups[name] = _C.NcclBackend(store, ctx.rank, ctx.world_size, timeout, device)
 
@@ -389,6 +389,7 @@ def _gpu_stream_semantics(ctx: RankContext) -> None:
 
 def _gpu_bad_arguments(ctx: RankContext) -> str:
     pg, dev = ctx.groups["nccl"], ctx.state["device"]
+    assert pg.timeout_ms == TIMEOUT_MS and pg.device == dev.index
     with pytest.raises(TypeError, match=f"rank {ctx.rank}: all_reduce: tensor is on cpu"):
         pg.all_reduce(torch.ones(4), _C.RedOp.SUM, False)
     with pytest.raises(TypeError, match="AVG needs a floating-point tensor"):
