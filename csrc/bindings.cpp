@@ -9,7 +9,16 @@
 #include "backend/ring_backend.h"
 #include "common/check.h"
 #include "kernels/cpu.h"
+#include "kernels/emulate.h"
+#include "transport/ipc_protocol.h"
 #include "transport/shm.h"
+
+#ifdef PYDDP_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/cuda.h"
+#endif
 
 #include <sys/stat.h>
 
@@ -79,6 +88,16 @@ void bindTesting(py::module_& m) {
     PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
     return std::make_pair(name, static_cast<int>(st.st_mode & 0777));
   });
+  // The cuda_ipc wait decision, exactly as its kernels make it: None to
+  // keep waiting, else (error code, rank to blame), code 0 for satisfied.
+  t.def("ipc_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
+                               int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
+                               int32_t peer) -> std::optional<std::pair<int, int>> {
+    const int64_t v =
+        ipc::waitVerdict(flag, target, peerFailed, abortWord, elapsedNs, timeoutNs, peer);
+    if (v < 0) return std::nullopt;
+    return std::make_pair(static_cast<int>(ipc::errorCode(v)), v ? ipc::errorRank(v) : -1);
+  });
   t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
     auto out = at::empty_like(srcs.at(0));
     std::vector<const void*> ptrs;
@@ -87,6 +106,162 @@ void bindTesting(py::module_& m) {
                      static_cast<int>(ptrs.size()), out.numel());
     return out;
   });
+
+  // The grid kernels (kernels/elementwise.h) over caller-made tensors: views
+  // at any offset (misaligned operands) or one tensor passed twice (in
+  // place). emulated_* run them over an emulated (blocks, threads) grid on
+  // CPU tensors and return (width, head, packs), the split they used;
+  // cuda_* run the CUDA kernels on the current stream. The checks keep a
+  // wrong test from writing out of bounds.
+  auto accType = [](const at::Tensor& elems) {
+    const auto s = elems.scalar_type();
+    return s == at::kHalf || s == at::kBFloat16 ? at::kFloat : s;
+  };
+  auto expect = [](const at::Tensor& x, at::ScalarType dtype, int64_t numel, c10::Device device,
+                   const char* what) {
+    PYDDP_CHECK_VALUE(x.scalar_type() == dtype && x.numel() == numel && x.is_contiguous() &&
+                          x.device() == device,
+                      what, ": expected a contiguous ", dtype, " tensor of ", numel,
+                      " elements on ", device, ", got ", x.scalar_type(), " of ", x.numel(),
+                      " on ", x.device());
+  };
+  auto checkToPartial = [=](const at::Tensor& dst, const at::Tensor& src, c10::Device device) {
+    expect(src, src.scalar_type(), src.numel(), device, "src");
+    expect(dst, accType(src), src.numel(), device, "dst");
+  };
+  auto checkReducePartial = [=](const at::Tensor& dst, const at::Tensor& partial,
+                                const at::Tensor& local, c10::Device device) {
+    expect(local, local.scalar_type(), local.numel(), device, "local");
+    expect(partial, accType(local), local.numel(), device, "partial");
+    expect(dst, accType(local), local.numel(), device, "dst");
+  };
+  auto checkReduceFinal = [=](const at::Tensor& dst, const std::optional<at::Tensor>& dst2,
+                              const at::Tensor& partial, const at::Tensor& local,
+                              c10::Device device) {
+    expect(local, local.scalar_type(), local.numel(), device, "local");
+    expect(partial, accType(local), local.numel(), device, "partial");
+    expect(dst, local.scalar_type(), local.numel(), device, "dst");
+    if (dst2) expect(*dst2, local.scalar_type(), local.numel(), device, "dst2");
+  };
+  auto checkReduceN = [=](const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
+                          c10::Device device) {
+    PYDDP_CHECK_VALUE(!srcs.empty(), "reduce_n needs at least one source");
+    for (const auto& s : srcs) expect(s, dst.scalar_type(), dst.numel(), device, "src");
+    expect(dst, dst.scalar_type(), dst.numel(), device, "dst");
+  };
+  auto checkCopy = [=](const at::Tensor& dst, const std::optional<at::Tensor>& dst2,
+                       const at::Tensor& src, c10::Device device) {
+    expect(src, src.scalar_type(), src.numel(), device, "src");
+    expect(dst, src.scalar_type(), src.numel(), device, "dst");
+    if (dst2) expect(*dst2, src.scalar_type(), src.numel(), device, "dst2");
+  };
+  auto ptrs = [](const std::vector<at::Tensor>& ts) {
+    std::vector<const void*> out;
+    for (const auto& x : ts) out.push_back(x.data_ptr());
+    return out;
+  };
+  auto ptrOr = [](const std::optional<at::Tensor>& t) { return t ? t->data_ptr() : nullptr; };
+
+  using Shape = std::pair<uint32_t, uint32_t>;
+  auto shape = [](const Shape& g) { return kernels::emulated::Grid{g.first, g.second}; };
+  auto split = [](const kernels::emulated::Launched& l) {
+    return std::make_tuple(l.width, l.head, l.packs);
+  };
+  const c10::Device cpu(c10::kCPU);
+  t.def("emulated_to_partial", [=](const Shape& g, at::Tensor dst, at::Tensor src) {
+    checkToPartial(dst, src, cpu);
+    return split(kernels::emulated::toPartial(shape(g), {dtypeOf(src), RedOp::Sum, 1},
+                                              dst.data_ptr(), src.data_ptr(), src.numel()));
+  });
+  t.def("emulated_reduce_partial", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
+                                       at::Tensor partial, at::Tensor local) {
+    checkReducePartial(dst, partial, local, cpu);
+    return split(kernels::emulated::reducePartial(shape(g), {dtypeOf(local), op, worldSize},
+                                                  dst.data_ptr(), partial.data_ptr(),
+                                                  local.data_ptr(), local.numel()));
+  });
+  t.def("emulated_reduce_final", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
+                                     std::optional<at::Tensor> dst2, at::Tensor partial,
+                                     at::Tensor local) {
+    checkReduceFinal(dst, dst2, partial, local, cpu);
+    return split(kernels::emulated::reduceFinal(shape(g), {dtypeOf(local), op, worldSize},
+                                                dst.data_ptr(), ptrOr(dst2), partial.data_ptr(),
+                                                local.data_ptr(), local.numel()));
+  });
+  t.def("emulated_reduce_n", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
+                                 std::vector<at::Tensor> srcs) {
+    checkReduceN(dst, srcs, cpu);
+    const auto src = ptrs(srcs);
+    return split(kernels::emulated::reduceN(shape(g), {dtypeOf(dst), op, worldSize},
+                                            dst.data_ptr(), src.data(),
+                                            static_cast<int>(src.size()), dst.numel()));
+  });
+  t.def("emulated_copy", [=](const Shape& g, at::Tensor dst, std::optional<at::Tensor> dst2,
+                             at::Tensor src) {
+    checkCopy(dst, dst2, src, cpu);
+    return split(kernels::emulated::copy(shape(g), dst.data_ptr(), ptrOr(dst2), src.data_ptr(),
+                                         src.nbytes()));
+  });
+
+#ifdef PYDDP_WITH_CUDA
+  t.attr("has_cuda_kernels") = true;
+  auto gpu = [](const at::Tensor& x) {
+    PYDDP_CHECK_VALUE(x.is_cuda(), "expected a CUDA tensor, got one on ", x.device());
+    return x.device();
+  };
+  auto stream = [](c10::Device device) {
+    return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  };
+  t.def("cuda_to_partial", [=](at::Tensor dst, at::Tensor src) {
+    checkToPartial(dst, src, gpu(src));
+    const c10::cuda::CUDAGuard guard(src.device());
+    kernels::cuda::toPartial({dtypeOf(src), RedOp::Sum, 1}, dst.data_ptr(), src.data_ptr(),
+                             src.numel(), stream(src.device()));
+  });
+  t.def("cuda_reduce_partial", [=](RedOp op, int worldSize, at::Tensor dst, at::Tensor partial,
+                                   at::Tensor local) {
+    checkReducePartial(dst, partial, local, gpu(local));
+    const c10::cuda::CUDAGuard guard(local.device());
+    kernels::cuda::reducePartial({dtypeOf(local), op, worldSize}, dst.data_ptr(),
+                                 partial.data_ptr(), local.data_ptr(), local.numel(),
+                                 stream(local.device()));
+  });
+  t.def("cuda_reduce_final", [=](RedOp op, int worldSize, at::Tensor dst,
+                                 std::optional<at::Tensor> dst2, at::Tensor partial,
+                                 at::Tensor local) {
+    checkReduceFinal(dst, dst2, partial, local, gpu(local));
+    const c10::cuda::CUDAGuard guard(local.device());
+    kernels::cuda::reduceFinal({dtypeOf(local), op, worldSize}, dst.data_ptr(), ptrOr(dst2),
+                               partial.data_ptr(), local.data_ptr(), local.numel(),
+                               stream(local.device()));
+  });
+  t.def("cuda_reduce_n", [=](RedOp op, int worldSize, at::Tensor dst,
+                             std::vector<at::Tensor> srcs) {
+    checkReduceN(dst, srcs, gpu(dst));
+    const c10::cuda::CUDAGuard guard(dst.device());
+    const auto src = ptrs(srcs);
+    kernels::cuda::reduceN({dtypeOf(dst), op, worldSize}, dst.data_ptr(), src.data(),
+                           static_cast<int>(src.size()), dst.numel(), stream(dst.device()));
+  });
+  t.def("cuda_copy", [=](at::Tensor dst, std::optional<at::Tensor> dst2, at::Tensor src) {
+    checkCopy(dst, dst2, src, gpu(src));
+    const c10::cuda::CUDAGuard guard(src.device());
+    kernels::cuda::copy(dst.data_ptr(), ptrOr(dst2), src.data_ptr(), src.nbytes(),
+                        stream(src.device()));
+  });
+  // Launches the copy kernel between two host buffers where no GPU is usable
+  // (refused otherwise), so that a CPU machine sees a failed launch turn into
+  // an exception.
+  t.def("cuda_copy_without_gpu", [] {
+    int devices = 0;
+    PYDDP_CHECK_VALUE(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
+                      "cuda_copy_without_gpu only runs where no GPU is usable; found ", devices);
+    std::vector<uint64_t> src(128, 1), dst(128, 0);
+    kernels::cuda::copy(dst.data(), nullptr, src.data(), src.size() * sizeof(uint64_t), nullptr);
+  });
+#else
+  t.attr("has_cuda_kernels") = false;
+#endif
 }
 
 // The NCCL backend (CUDA builds only), whether the build has CUDA, and the
@@ -199,7 +374,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<Algo>(m, "Algo")
       .value("AUTO", Algo::Auto)
       .value("RING", Algo::Ring)
-      .value("DIRECT", Algo::Direct);
+      .value("DIRECT", Algo::Direct)
+      .value("TWO_SHOT", Algo::TwoShot);
 
   py::class_<RingOptions>(m, "RingOptions")
       .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
@@ -207,6 +383,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slot_bytes", &RingOptions::slotBytes)
       .def_readwrite("num_slots", &RingOptions::numSlots)
       .def_readwrite("direct_max_bytes", &RingOptions::directMaxBytes)
+      .def_readwrite("two_shot_max_bytes", &RingOptions::twoShotMaxBytes)
       .def_readwrite("algo", &RingOptions::algo)
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
       .def("validate", &RingOptions::validate);
@@ -215,8 +392,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   const auto release = py::call_guard<py::gil_scoped_release>();
   py::class_<RingBackend, c10d::Backend, c10::intrusive_ptr<RingBackend>>(m, "RingBackend")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&>(),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), release)
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&,
+                    c10::Device>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+           py::arg("device") = c10::Device(c10::kCPU), release)
       .def("all_reduce", &RingBackend::allReduce, py::arg("tensor"), py::arg("op"),
            py::arg("async_op"), release)
       .def("all_gather_single", &RingBackend::allGatherSingle, py::arg("output"),
@@ -229,7 +408,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input"), py::arg("op"), py::arg("async_op"), release)
       .def("barrier", &RingBackend::barrierAll, py::arg("async_op"), release)
       .def("shutdown", &RingBackend::shutdown, release)
-      .def_property_readonly("options", &RingBackend::options);
+      .def_property_readonly("options", &RingBackend::options)
+      .def_property_readonly("device", &RingBackend::device)
+      .def_property_readonly("transport", &RingBackend::transportName);
 
   bindTesting(m);
   bindNccl(m);

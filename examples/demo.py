@@ -1,4 +1,4 @@
-"""pyddp's main job: a multi-process CPU demo of every collective, then the benchmark table.
+"""A tour of pyddp's collectives on CPU processes, then the benchmark table.
 
     python examples/demo.py [--world-size N] [--quick]
 

@@ -8,6 +8,10 @@ host), with ``torch.distributed``'s names::
     pyddp.all_reduce(tensor)              # in place, SUM
     work = pyddp.all_reduce(tensor, async_op=True)
     work.wait()
+
+Importing pyddp also registers the ``torch.distributed`` backend ``"pyddp"``::
+
+    torch.distributed.init_process_group("pyddp")   # or "cpu:pyddp,cuda:nccl"
 """
 
 import logging as _logging
@@ -38,7 +42,9 @@ from .process_group import (
     new_group,
     reduce_scatter_single,
     reduce_scatter_tensor,
+    register_torch_backend,
 )
+from .ddp import DistributedDataParallel
 from .rendezvous import local_rank
 
 
@@ -57,9 +63,11 @@ def _configure_logging(level: str) -> None:
 
 
 _configure_logging(_C.settings().get("PYDDP_DEBUG", ""))
+register_torch_backend()
 
 __all__ = [
     "BACKENDS",
+    "DistributedDataParallel",
     "ProcessGroup",
     "ReduceOp",
     "RingOptions",
@@ -80,4 +88,5 @@ __all__ = [
     "new_group",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "register_torch_backend",
 ]

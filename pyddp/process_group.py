@@ -308,3 +308,38 @@ reduce_scatter_tensor = reduce_scatter_single
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
     return _group(group, "barrier").barrier(async_op)
+
+
+# --- pyddp as a torch.distributed backend -------------------------------------
+
+TORCH_BACKEND_NAME = "pyddp"
+
+
+def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
+                          timeout: datetime.timedelta) -> _C.RingBackend:
+    """The creator torch.distributed calls for ``init_process_group("pyddp")``.
+
+    torch hands over its own (prefixed) store and the group's timeout; the
+    other settings come from the PYDDP_* variables, as for pyddp's own groups.
+    """
+    opts = RingOptions()
+    opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    opts.validate()
+    logger.info("rank %d/%d: torch.distributed backend %r over shm (slot_bytes=%d, "
+                "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
+                TORCH_BACKEND_NAME, opts.slot_bytes, opts.num_slots, opts.direct_max_bytes,
+                opts.algo)
+    return _C.RingBackend(store, rank, world_size, opts)
+
+
+def register_torch_backend() -> None:
+    """Registers ``"pyddp"`` with ``torch.distributed`` (for CPU tensors).
+
+    Afterwards ``torch.distributed.init_process_group("pyddp")``, or a
+    per-device string such as ``"cpu:pyddp,cuda:nccl"``, routes torch's
+    collectives, ``all_gather_object`` and friends, and torch's own
+    ``DistributedDataParallel`` through pyddp. Idempotent.
+    """
+    if TORCH_BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, devices=["cpu"])

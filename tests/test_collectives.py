@@ -1,10 +1,11 @@
 """Collectives on 2, 3 and 4 spawned ranks against independent references.
 
-Each world size starts its ranks once (module fixture) with three groups:
+Each world size starts its ranks once (module fixture) with four groups:
 ``auto`` (default settings: small all-reduces direct, large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
-tensors take many pieces) and ``direct`` (one-shot all-reduce forced, with
-256-byte staging buffers, so small tensors take many rounds).
+tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
+256-byte staging buffers, so small tensors take many rounds) and
+``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from harness import RankContext, Ranks
 
 # 1001: uneven blocks for every world size, many pieces in the ring and direct groups.
 SMALL_COUNTS = [0, 1, 3, 1001]
-GROUPS = ("auto", "ring", "direct")
+GROUPS = ("auto", "ring", "direct", "two_shot")
 
 
 def _setup(ctx: RankContext) -> None:
@@ -39,6 +40,10 @@ def _setup(ctx: RankContext) -> None:
     ctx.groups["ring"] = group("ring", algo=pyddp._C.Algo.RING, slot_bytes=256, num_slots=2)
     # 256-byte staging buffers: direct all-reduces of more take several rounds.
     ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT, direct_max_bytes=256)
+    # Two-shot forced with 320-byte staging buffers: several rounds, and
+    # blocks of unequal sizes within a round.
+    ctx.groups["two_shot"] = group("two_shot", algo=pyddp._C.Algo.TWO_SHOT, direct_max_bytes=0,
+                                   two_shot_max_bytes=320)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
 

@@ -1,7 +1,6 @@
 #include "algorithms/collectives.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "algorithms/schedule.h"
 #include "common/check.h"
@@ -42,7 +41,7 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
   if (n == 1) {
-    if (out != in) std::memcpy(out, in, count * es);  // AVG over one rank is x / 1 = x
+    c.transport.local().copy(out, in, count * es);  // AVG over one rank is x / 1 = x
     return;
   }
   const size_t pieces = schedule::numPieces(schedule::balancedBlock(count, n, 0).count, pe);
@@ -77,6 +76,7 @@ void directAllReduce(const Call& c, PeerMemory& mem,
   const size_t es = elementSize(spec.dtype);
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || count == 0, "direct all_reduce needs staging memory");
+  LocalOps& ops = c.transport.local();
   std::vector<const void*> src(c.worldSize);
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
@@ -84,12 +84,44 @@ void directAllReduce(const Call& c, PeerMemory& mem,
   for (size_t begin = 0; begin < count; begin += chunkElems) {
     const size_t n = std::min(chunkElems, count - begin);
     // stage my share of the chunk where every rank can read it
-    std::memcpy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     mem.exchange();
     // reduce all shares in rank order: the same bits on every rank
     for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
-    kernels::reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
+    ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
+  }
+}
+
+void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
+                      const void* in, void* out, size_t count) {
+  LocalOps& ops = c.transport.local();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  const size_t chunkElems = mem.capacityBytes() / es;
+  PYDDP_CHECK(chunkElems > 0 || count == 0, "two-shot all_reduce needs staging memory");
+  std::vector<const void*> src(n);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  // Chunk: what fits a staging buffer, one pair of rounds each. Block b of a
+  // chunk (balancedBlock) is reduced by rank b alone, then read by all.
+  for (size_t begin = 0; begin < count; begin += chunkElems) {
+    const size_t len = std::min(chunkElems, count - begin);
+    const Range mine = schedule::balancedBlock(len, n, r);
+    // round 1: stage my share of the chunk where every rank can read it
+    ops.copy(mem.stagingBuffer(), at(in, begin, es), len * es);
+    mem.exchange();
+    // reduce my block of every rank's share in rank order, into the buffer
+    // of round 2 (the same bits on every rank)
+    for (int k = 0; k < n; ++k) src[k] = at(mem.peerBuffer(k), mine.begin, es);
+    ops.reduceN(spec, at(mem.stagingBuffer(), mine.begin, es), src.data(), n, mine.count);
+    // round 2: every block is reduced; each rank copies all of them out
+    mem.exchange();
+    for (int b = 0; b < n; ++b) {
+      const Range blk = schedule::balancedBlock(len, n, b);
+      ops.copy(at(out, begin + blk.begin, es), at(mem.peerBuffer(b), blk.begin, es),
+               blk.count * es);
+    }
   }
 }
 
@@ -102,7 +134,7 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
   // my own block needs no transport
-  if (outBlocks[r] != in) std::memcpy(outBlocks[r], in, blockCount * es);
+  c.transport.local().copy(outBlocks[r], in, blockCount * es);
   if (n == 1) return;
   const size_t pieces = schedule::numPieces(blockCount, pe);
   for (size_t p = 0; p < pieces; ++p) {
@@ -131,7 +163,7 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
   // every rank arrived with the same call
   c.transport.enter(c.desc, c.deadline);
   if (n == 1) {
-    if (out != inBlocks[0]) std::memcpy(out, inBlocks[0], blockCount * es);
+    c.transport.local().copy(out, inBlocks[0], blockCount * es);
     return;
   }
   const size_t pieces = schedule::numPieces(blockCount, pe);

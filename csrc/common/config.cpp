@@ -1,5 +1,6 @@
 #include "common/config.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "common/check.h"
@@ -10,10 +11,11 @@ namespace {
 constexpr const char* kSlotBytesVar = "PYDDP_SLOT_BYTES";
 constexpr const char* kNumSlotsVar = "PYDDP_NUM_SLOTS";
 constexpr const char* kDirectMaxVar = "PYDDP_DIRECT_MAX_BYTES";
+constexpr const char* kTwoShotMaxVar = "PYDDP_TWO_SHOT_MAX_BYTES";
 constexpr const char* kAlgoVar = "PYDDP_ALGO";
 constexpr const char* kDebugVar = "PYDDP_DEBUG";
 constexpr const char* kAllVars[] = {
-    kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kAlgoVar, kDebugVar};
+    kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kTwoShotMaxVar, kAlgoVar, kDebugVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -38,8 +40,9 @@ Algo parseAlgo(const std::string& text) {
   if (text == "auto") return Algo::Auto;
   if (text == "ring") return Algo::Ring;
   if (text == "direct") return Algo::Direct;
+  if (text == "two_shot") return Algo::TwoShot;
   PYDDP_CHECK_VALUE(
-      false, kAlgoVar, "='", text, "' is not one of auto, ring, direct");
+      false, kAlgoVar, "='", text, "' is not one of auto, ring, direct, two_shot");
   return Algo::Auto;
 }
 
@@ -54,6 +57,8 @@ RingOptions RingOptions::fromEnv() {
   o.directMaxBytes = static_cast<size_t>(parseInt(
       kDirectMaxVar,
       envOr(kDirectMaxVar, std::to_string(kDefaultDirectMaxBytes))));
+  o.twoShotMaxBytes = static_cast<size_t>(parseInt(
+      kTwoShotMaxVar, envOr(kTwoShotMaxVar, std::to_string(kDefaultTwoShotMaxBytes))));
   o.algo = parseAlgo(envOr(kAlgoVar, "auto"));
   o.timeoutMs = kDefaultTimeoutMs;
   o.validate();
@@ -72,9 +77,26 @@ void RingOptions::validate() const {
   PYDDP_CHECK_VALUE(
       directMaxBytes <= (1u << 30), "direct_max_bytes (", kDirectMaxVar,
       ") must be at most 1 GiB, got ", directMaxBytes);
+  PYDDP_CHECK_VALUE(
+      twoShotMaxBytes <= (1u << 30), "two_shot_max_bytes (", kTwoShotMaxVar,
+      ") must be at most 1 GiB, got ", twoShotMaxBytes);
   PYDDP_CHECK_VALUE(algo != Algo::Direct || directMaxBytes > 0, "algo=direct (",
                     kAlgoVar, ") needs direct_max_bytes (", kDirectMaxVar, ") > 0");
+  PYDDP_CHECK_VALUE(algo != Algo::TwoShot || stagingBytes() > 0, "algo=two_shot (",
+                    kAlgoVar, ") needs direct_max_bytes (", kDirectMaxVar,
+                    ") or two_shot_max_bytes (", kTwoShotMaxVar, ") > 0");
   PYDDP_CHECK_VALUE(timeoutMs > 0, "timeout must be positive, got ", timeoutMs, " ms");
+}
+
+size_t RingOptions::stagingBytes() const {
+  return std::max(directMaxBytes, twoShotMaxBytes);
+}
+
+Algo RingOptions::allReduceAlgo(size_t bytes) const {
+  if (algo != Algo::Auto) return algo;
+  if (directMaxBytes > 0 && bytes <= directMaxBytes) return Algo::Direct;
+  if (bytes <= twoShotMaxBytes) return Algo::TwoShot;
+  return Algo::Ring;
 }
 
 std::map<std::string, std::string> settings() {
@@ -90,6 +112,7 @@ const char* toString(Algo a) {
     case Algo::Auto: return "auto";
     case Algo::Ring: return "ring";
     case Algo::Direct: return "direct";
+    case Algo::TwoShot: return "two_shot";
   }
   return "unknown";
 }

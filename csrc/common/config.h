@@ -8,7 +8,10 @@
 
 namespace pyddp {
 
-enum class Algo { Auto, Ring, Direct };
+// How an all-reduce runs: by size (Auto), or forced. Direct is the one-shot
+// algorithm (every rank reduces the whole message from every rank's staged
+// copy); TwoShot reduces one block per rank, then gathers the blocks.
+enum class Algo { Auto, Ring, Direct, TwoShot };
 
 // RingOptions of one process group. Defaults come from the environment; Python
 // may override fields (pyddp.RingOptions) before creating the group. All
@@ -25,12 +28,20 @@ struct RingOptions {
   // it is also the size of each rank's staging buffers, so a forced direct
   // all-reduce of more moves in chunks of this size. 0 disables direct.
   size_t directMaxBytes;
+  // All-reduces larger than directMaxBytes and up to this many bytes use the
+  // two-shot algorithm; 0 disables it under Auto.
+  size_t twoShotMaxBytes;
   Algo algo;
   // Milliseconds every wait may take before it fails naming the missing rank.
   int64_t timeoutMs;
 
   static RingOptions fromEnv();
   void validate() const;  // throws ValueError naming the offending setting
+  // Bytes of each staging buffer of the direct algorithms: a larger message
+  // moves through them in rounds.
+  size_t stagingBytes() const;
+  // The all-reduce algorithm for a message of `bytes` (never Auto).
+  Algo allReduceAlgo(size_t bytes) const;
 };
 
 // Measured with `PYDDP_SLOT_BYTES=... PYDDP_NUM_SLOTS=... python -m pyddp.bench
@@ -45,6 +56,7 @@ constexpr int kDefaultNumSlots = 8;
 // reduce the whole tensor). More ranks favour direct: the ring's latency
 // grows with its 2(n-1) hops. 8 KiB sits between.
 constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
+constexpr size_t kDefaultTwoShotMaxBytes = 0;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
 // Every PYDDP_* variable with its current value ("" when unset).

@@ -27,6 +27,9 @@ enum class CollectiveKind : int32_t {
   Broadcast = 2,
   ReduceScatter = 3,
   Barrier = 4,
+  Reduce = 5,
+  Gather = 6,
+  Scatter = 7,
 };
 
 inline size_t elementSize(DataType t) {
@@ -84,6 +87,9 @@ inline const char* toString(CollectiveKind k) {
     case CollectiveKind::Broadcast: return "broadcast";
     case CollectiveKind::ReduceScatter: return "reduce_scatter";
     case CollectiveKind::Barrier: return "barrier";
+    case CollectiveKind::Reduce: return "reduce";
+    case CollectiveKind::Gather: return "gather";
+    case CollectiveKind::Scatter: return "scatter";
   }
   return "unknown";
 }
@@ -97,7 +103,7 @@ struct CollectiveDesc {
   CollectiveKind kind = CollectiveKind::Barrier;
   DataType dtype = DataType::Float32;
   RedOp op = RedOp::Sum;
-  int32_t root = -1;   // broadcast source; -1 otherwise
+  int32_t root = -1;   // broadcast source, reduce/gather destination, scatter source; else -1
   int32_t algo = 0;    // which algorithm runs it: ranks must pick the same
 };
 

@@ -3,28 +3,12 @@
 #include <algorithm>
 
 #include "common/check.h"
+#include "kernels/dispatch.h"
 #include "kernels/reduce.h"
 
 namespace pyddp {
 namespace kernels {
 namespace {
-
-template <typename T>
-Finish<acc_t<T>> finishFor(const ReduceSpec& spec) {
-  using A = acc_t<T>;
-  return Finish<A>{spec.op == RedOp::Avg ? static_cast<A>(spec.worldSize) : A(0)};
-}
-
-// Calls body(T{}, Op{}) for the spec's element type and operator.
-template <typename Body>
-void dispatch(const ReduceSpec& spec, Body&& body) {
-  PYDDP_CHECK(
-      spec.op != RedOp::Avg || isFloating(spec.dtype),
-      "AVG reduction on integer dtype ", toString(spec.dtype));
-  dispatchType(spec.dtype, [&](auto t) {
-    dispatchOp(spec.op, [&](auto op) { body(t, op); });
-  });
-}
 
 // Elements reduced per tile in reduceN: the accumulator tile stays in L1
 // while every source streams through it, and each inner loop is a plain

@@ -1,6 +1,7 @@
-// Element-wise reduction bodies shared by the CPU kernels and (later) the
-// CUDA kernels: everything here is __host__ __device__ and depends only on
-// common/ and c10's header-only scalar types.
+// Element-wise reduction bodies shared by the CPU kernels (cpu.cpp) and the
+// grid kernels that run on a GPU or an emulated grid (elementwise.h):
+// everything here is __host__ __device__ and depends only on common/ and
+// c10's header-only scalar types.
 //
 // Arithmetic rules, identical on every rank and every device:
 //  - half types (fp16, bf16) accumulate in fp32 and round once per store;

@@ -150,7 +150,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       worldSize_(worldSize),
       slotBytes_(options.slotBytes),
       numSlots_(options.numSlots),
-      directBytes_(roundUp(options.directMaxBytes, kCacheLine)),
+      directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       timeoutMs_(options.timeoutMs),
       hostId_(makeHostId()),
       pidNamespace_(pidNamespace()),
@@ -250,7 +250,7 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
         b.slotBytes == slotBytes_ && b.numSlots == numSlots_ && b.directBytes == directBytes_,
         "rank ", rank_, " and rank ", peer,
         " use different shm geometry (slot_bytes ", slotBytes_, " vs ", b.slotBytes,
-        ", num_slots ", numSlots_, " vs ", b.numSlots, ", direct_max_bytes ", directBytes_,
+        ", num_slots ", numSlots_, " vs ", b.numSlots, ", staging bytes ", directBytes_,
         " vs ", b.directBytes,
         "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
   }
@@ -453,6 +453,15 @@ void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec,
   kernels::reduceFinal(spec, dst, claimSendSlot(), in, local, count);
   postSend();
   releaseRecv();
+}
+
+void ShmTransport::copy(void* dst, const void* src, size_t bytes) {
+  if (dst != src) std::memcpy(dst, src, bytes);
+}
+
+void ShmTransport::reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,
+                           int nsrc, size_t count) {
+  kernels::reduceN(spec, dst, src, nsrc, count);
 }
 
 void* ShmTransport::stagingBuffer() {

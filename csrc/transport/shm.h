@@ -6,6 +6,8 @@
 //
 //   [ SegmentHeader | ring slots: numSlots x slotBytes | staging: 2 x directBytes ]
 //
+// (directBytes: RingOptions::stagingBytes(), rounded up to a cache line.)
+//
 // Segments are created 0600 under an unguessable name, unlinked as soon as
 // every rank has mapped them (connected()), and unmapped on destruction.
 #pragma once
@@ -100,7 +102,10 @@ struct alignas(kCacheLine) SegmentHeader {
 static_assert(sizeof(SegmentHeader) % kCacheLine == 0);
 static_assert(offsetof(SegmentHeader, arrived) % kCacheLine == 0);
 
-class ShmTransport final : public Transport, public RingLink, public PeerMemory {
+class ShmTransport final : public Transport,
+                          public RingLink,
+                          public LocalOps,
+                          public PeerMemory {
  public:
   ShmTransport(int rank, int worldSize, const RingOptions& options);
   ~ShmTransport() override;
@@ -115,6 +120,7 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
   void connected() override;
   void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
   RingLink& ring() override { return *this; }
+  LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
   void abandon(const std::string& why) override;
   void abort() override { aborted_.store(true, std::memory_order_relaxed); }
@@ -132,6 +138,11 @@ class ShmTransport final : public Transport, public RingLink, public PeerMemory 
                       void* dst, size_t count) override;
   void recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
                           void* dst, size_t count) override;
+
+  // LocalOps, on the CPU
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
+               size_t count) override;
 
   // PeerMemory
   size_t capacityBytes() const override { return directBytes_; }

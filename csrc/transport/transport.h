@@ -49,10 +49,26 @@ class RingLink {
                                   size_t count) = 0;
 };
 
-// Memory of every rank mapped into this process, for direct (one-shot)
-// algorithms, used in rounds: a rank writes its data to stagingBuffer(),
-// calls exchange(), and then reads every rank's data of that round through
-// peerBuffer() until its next exchange().
+// Work a rank does alone on memory it can address (its tensors, its staging
+// buffer, peers' mapped buffers): run on the CPU by shm, enqueued on the
+// transport's stream by the GPU transports. Algorithms never touch the
+// bytes themselves.
+class LocalOps {
+ public:
+  virtual ~LocalOps() = default;
+  // dst = src, bytes long (a no-op when dst == src).
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // dst = finish(src[0] op ... op src[nsrc-1]), in source order.
+  virtual void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,
+                       int nsrc, size_t count) = 0;
+};
+
+// Memory of every rank mapped into this process, for direct (one-shot and
+// two-shot) algorithms, used in rounds: a rank writes its data to
+// stagingBuffer(), calls exchange(), and then reads every rank's data of
+// that round through peerBuffer() until its next exchange(). Between two
+// exchanges, stagingBuffer() is already the next round's buffer, which no
+// peer reads until that next exchange.
 class PeerMemory {
  public:
   virtual ~PeerMemory() = default;
@@ -85,6 +101,7 @@ class Transport {
   virtual void enter(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
 
   virtual RingLink& ring() = 0;
+  virtual LocalOps& local() = 0;
   // nullptr when peers' memory is not mapped into this process.
   virtual PeerMemory* peerMemory() = 0;
 

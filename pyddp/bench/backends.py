@@ -1,82 +1,182 @@
 """The libraries under test, behind one small protocol.
 
-A peer (MPI, DeepSpeed, NCCL, ...) is added by writing a class with the
-Backend methods and an ``open`` factory, and listing it in ``BACKENDS``.
+Each entry of ``BACKENDS`` is a class with two class methods: ``probe(ctx)``
+says in a rank, before any group is joined, why the backend cannot run here
+(None when it can; the ranks agree on the answer before acting on it), and
+``open(ctx)`` joins its group and returns a Backend. A Backend hands out
+*bound* collectives: a function that runs one collective on given buffers, so
+per-call conversions (to numpy for MPI, say) happen once per buffer, not once
+per timed call.
+
+A peer is added by writing such a class and listing it in ``BACKENDS``.
 """
 
 import datetime
+import functools
+import importlib.util
 import os
-from collections.abc import Callable
+import secrets
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 import pyddp
 
+MPIRUN_VERSION_SECONDS = 30.0
+"""How long ``mpirun --version`` may take (it answers in well under a second)."""
+
+Run = Callable[[], None]
+"""One blocking call of a collective on fixed buffers."""
+
 
 @dataclass(frozen=True)
 class RankContext:
-    """What a backend needs to join its group in one spawned rank."""
+    """What a backend needs to join its group in one rank."""
 
     rank: int
     world_size: int
-    store_dir: str
+    local_rank: int
+    local_world_size: int
+    base_store: dist.Store
     timeout: datetime.timedelta
+    mpi_launched: bool
 
-    def store(self, name: str) -> dist.FileStore:
-        """A FileStore named ``name`` in the run's temporary directory, shared by all ranks."""
-        return dist.FileStore(os.path.join(self.store_dir, f"{name}.store"), self.world_size)
+    def store(self, name: str) -> dist.Store:
+        """The run's store under the prefix ``name``, shared by all ranks."""
+        return dist.PrefixStore(f"pyddp.bench/{name}", self.base_store)
 
 
 class Backend(Protocol):
-    """A collective library as the timing loop sees it; every call blocks until done."""
+    """A collective library as the timing loop sees it; every bound call blocks until done
+    (on a GPU: until the work is queued; ``sync`` waits for it)."""
 
     name: str
+    device: torch.device
+    detail: str
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums ``tensor`` across ranks, in place."""
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        """Why this backend cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        """Reduces ``tensor`` across ranks, in place."""
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        """``output`` = every rank's ``input``, in rank order."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        """Copies rank ``root``'s ``tensor`` to every rank."""
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        """``output`` on rank r = block r of ``input`` reduced across ranks."""
 
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
+
+    def sync(self) -> None:
+        """Waits until every collective issued by this rank has finished on its device."""
 
     def close(self) -> None:
         """Leaves the group and frees its resources."""
 
 
-class PyddpBackend:
-    """pyddp's shared-memory ProcessGroup."""
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "avg": dist.ReduceOp.AVG,
+}
 
-    name = "pyddp"
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
-    def __init__(self, group: pyddp.ProcessGroup) -> None:
-        self._group = group
 
-    @classmethod
-    def open(cls, ctx: RankContext) -> "PyddpBackend":
-        group = pyddp.new_group("shm", store=ctx.store("pyddp"), rank=ctx.rank,
-                                world_size=ctx.world_size, timeout=ctx.timeout)
-        return cls(group)
+def _cuda_reason(ctx: RankContext) -> Optional[str]:
+    """Why this rank cannot have a CUDA device of its own; None if it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    found = torch.cuda.device_count()
+    if found < ctx.local_world_size:
+        return (f"needs {ctx.local_world_size} CUDA devices on this host (one per rank), "
+                f"found {found}")
+    return None
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._group.all_reduce(tensor)
+
+def _cuda_device(ctx: RankContext) -> torch.device:
+    device = torch.device("cuda", ctx.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Sets environment variables for the duration of the block, then restores them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+class _TorchGroupCalls:
+    """Bound collectives through torch.distributed on ``self._group`` (None: the default)."""
+
+    _group: Optional[dist.ProcessGroup]
+    device: torch.device
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        op, group = _TORCH_OPS[redop], self._group
+        return lambda: dist.all_reduce(tensor, op, group=group)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        group = self._group
+        return lambda: _all_gather_single(output, input, group=group)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        group = self._group
+        return lambda: dist.broadcast(tensor, root, group=group)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        op, group = _TORCH_OPS[redop], self._group
+        return lambda: _reduce_scatter_single(output, input, op, group=group)
 
     def barrier(self) -> None:
-        self._group.barrier()
+        dist.barrier(group=self._group)
 
-    def close(self) -> None:
-        pyddp.destroy_process_group(self._group)
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
-class GlooBackend:
+class GlooBackend(_TorchGroupCalls):
     """torch.distributed's default group, which the worker creates with gloo.
 
     The same group carries the benchmark's bookkeeping (max of timings, sum of
     wrong counts), always outside the timed loops; the worker destroys it.
     """
 
-    name = "gloo"
+    name: ClassVar[str] = "gloo"
+    device = torch.device("cpu")
+    detail = "torch.distributed gloo"
+
+    def __init__(self) -> None:
+        self._group = None
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        return None
 
     @classmethod
     def open(cls, ctx: RankContext) -> "GlooBackend":
@@ -84,17 +184,355 @@ class GlooBackend:
             raise RuntimeError("the gloo backend needs the default group to be a gloo group")
         return cls()
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor)
-
-    def barrier(self) -> None:
-        dist.barrier()
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        return None
 
     def close(self) -> None:
         """Nothing to do: the default group outlives the backends."""
 
 
-BACKENDS: dict[str, Callable[[RankContext], Backend]] = {
-    PyddpBackend.name: PyddpBackend.open,
-    GlooBackend.name: GlooBackend.open,
+class TorchNcclBackend(_TorchGroupCalls):
+    """torch.distributed's NCCL, one GPU per rank."""
+
+    name: ClassVar[str] = "nccl"
+    detail = "torch.distributed nccl"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self._group = group
+        self.device = device
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        reason = _cuda_reason(ctx)
+        if reason is None and not dist.is_nccl_available():
+            reason = "this torch build has no NCCL"
+        return reason
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "TorchNcclBackend":
+        device = _cuda_device(ctx)
+        return cls(dist.new_group(backend="nccl", timeout=ctx.timeout), device)
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def close(self) -> None:
+        dist.destroy_process_group(self._group)
+
+
+class _PyddpBackend:
+    """A pyddp ProcessGroup of one transport (``_transport``) and algorithm (``_algo``).
+
+    The algorithm is chosen the way a user chooses it, with PYDDP_ALGO, which
+    pyddp reads when the group is created.
+    """
+
+    name: ClassVar[str]
+    _transport: ClassVar[str]
+    _algo: ClassVar[Optional[str]] = None
+    _cuda: ClassVar[bool]
+
+    def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
+        self._group = group
+        self.device = device
+        algo = self._algo or os.environ.get("PYDDP_ALGO", "auto")
+        self.detail = f"pyddp {self._transport}, PYDDP_ALGO={algo}"
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        if cls._cuda:
+            reason = _cuda_reason(ctx)
+            if reason is not None:
+                return reason
+        available = tuple(getattr(pyddp, "BACKENDS", ()))
+        if cls._transport not in available:
+            return (f"this pyddp build has no {cls._transport!r} backend "
+                    f"(it has {', '.join(available) or 'none'})")
+        return None
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "_PyddpBackend":
+        device = _cuda_device(ctx) if cls._cuda else torch.device("cpu")
+        env = {"PYDDP_ALGO": cls._algo} if cls._algo else {}
+        with _environ(**env):
+            group = pyddp.new_group(cls._transport, store=ctx.store(cls.name), rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=ctx.timeout)
+        return cls(group, device)
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        op, group = _TORCH_OPS[redop], self._group
+        return lambda: group.all_reduce(tensor, op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        group = self._group
+        return lambda: group.all_gather_single(output, input)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        group = self._group
+        return lambda: group.broadcast(tensor, root)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        op, group = _TORCH_OPS[redop], self._group
+        return lambda: group.reduce_scatter_single(output, input, op)
+
+    def barrier(self) -> None:
+        self._group.barrier()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        pyddp.destroy_process_group(self._group)
+
+
+class PyddpShmBackend(_PyddpBackend):
+    """pyddp over shared memory (CPU tensors)."""
+
+    name = "pyddp"
+    _transport = "shm"
+    _cuda = False
+
+
+class PyddpIpcRingBackend(_PyddpBackend):
+    """pyddp over CUDA IPC, ring algorithm."""
+
+    name = "pyddp_ipc_ring"
+    _transport = "cuda_ipc"
+    _algo = "ring"
+    _cuda = True
+
+
+class PyddpIpcDirectBackend(_PyddpBackend):
+    """pyddp over CUDA IPC, direct (one-shot) algorithm."""
+
+    name = "pyddp_ipc_direct"
+    _transport = "cuda_ipc"
+    _algo = "direct"
+    _cuda = True
+
+
+class PyddpNcclBackend(_PyddpBackend):
+    """pyddp's rings with NCCL send/recv as the transport."""
+
+    name = "pyddp_nccl"
+    _transport = "nccl"
+    _cuda = True
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_launchable() -> Optional[str]:
+    """Why this machine cannot start MPI ranks (no mpi4py, no Open MPI mpirun); None if it can.
+
+    The launcher passes Open MPI's flags, so another MPI's mpirun does not do.
+    """
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed"
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return "mpirun is not on PATH"
+    try:
+        version = subprocess.run([mpirun, "--version"], capture_output=True, text=True,
+                                 timeout=MPIRUN_VERSION_SECONDS).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{mpirun} --version failed: {error}"
+    if "Open MPI" not in version:
+        return f"{mpirun} is not Open MPI's (the launcher passes Open MPI's flags)"
+    return None
+
+
+class MpiBackend:
+    """MPI through mpi4py (CPU tensors as numpy views); needs ranks started by mpirun.
+
+    MPI_Init in a process that mpirun did not start makes a one-rank
+    COMM_WORLD (a singleton), so the launcher starts every rank with mpirun
+    when this backend is wanted; under torchrun it is skipped.
+    """
+
+    name: ClassVar[str] = "mpi"
+    device = torch.device("cpu")
+
+    def __init__(self, comm: "object", library: str) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self._comm = comm
+        self.detail = f"mpi4py, {library}"
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self._types = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+        }
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        reason = mpi_launchable()
+        if reason is None and not ctx.mpi_launched:
+            reason = ("the ranks were not started by mpirun (pyddp.bench starts mpirun "
+                      "itself when it spawns the ranks; not under torchrun)")
+        return reason
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "MpiBackend":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if (world.Get_size(), world.Get_rank()) != (ctx.world_size, ctx.rank):
+            raise RuntimeError(
+                f"rank {ctx.rank}: MPI's COMM_WORLD is rank {world.Get_rank()} of "
+                f"{world.Get_size()}, expected rank {ctx.rank} of {ctx.world_size}")
+        library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+        return cls(world.Dup(), library)
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op in ("all_reduce", "reduce_scatter"):
+            if redop not in self._ops:
+                return f"MPI has no {redop} reduction"
+            if dtype not in self._types:
+                return f"MPI has no {dtype} reduction"
+        return None
+
+    def _buffer(self, tensor: torch.Tensor) -> list:
+        """``[numpy view, MPI datatype]``; dtypes without an MPI type travel as bytes."""
+        if tensor.dtype in self._types:
+            return [tensor.numpy(), self._types[tensor.dtype]]
+        return [tensor.view(torch.uint8).numpy(), self._mpi.BYTE]
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        comm, buf, op = self._comm, self._buffer(tensor), self._ops[redop]
+        in_place = self._mpi.IN_PLACE
+        return lambda: comm.Allreduce(in_place, buf, op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        comm, out, inp = self._comm, self._buffer(output), self._buffer(input)
+        return lambda: comm.Allgather(inp, out)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        comm, buf = self._comm, self._buffer(tensor)
+        return lambda: comm.Bcast(buf, root)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        comm, out, inp, op = self._comm, self._buffer(output), self._buffer(input), self._ops[redop]
+        return lambda: comm.Reduce_scatter_block(inp, out, op)
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def sync(self) -> None:
+        """Nothing to do: MPI calls on host memory finish before they return."""
+
+    def close(self) -> None:
+        self._comm.Free()
+
+
+class DeepSpeedShmBackend:
+    """DeepSpeed's CPU shared-memory all-reduce (``torch.ops.deepspeed.inference_all_reduce_``).
+
+    Built on first use by DeepSpeed's ShareMemCommBuilder (ninja JIT, cached
+    in ~/.cache/torch_extensions). DeepSpeed names its segments from
+    MASTER_ADDR and MASTER_PORT and never unlinks them; here they are named
+    from a per-run token and unlinked once every rank has mapped them, so
+    /dev/shm is left clean. Its state is per process: one group per process.
+    """
+
+    name: ClassVar[str] = "deepspeed"
+    device = torch.device("cpu")
+    SEGMENT_PREFIX: ClassVar[str] = "deepspeed_allreduce_buffer"
+    """DeepSpeed's SHM_BUFFER_NAME (csrc/cpu/comm/shm.cpp)."""
+
+    def __init__(self, kernel_level: int, version: str) -> None:
+        self._kernel_level = kernel_level
+        self.detail = f"DeepSpeed {version} shm all_reduce"
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _load() -> "object":
+        """DeepSpeed's shm comm extension, JIT-built the first time (then from the cache)."""
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+        builder = ShareMemCommBuilder()
+        if not builder.is_compatible():
+            raise RuntimeError(f"DeepSpeed says its {builder.NAME} op is not compatible here")
+        return builder.load(verbose=False)
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed is not installed"
+        try:
+            cls._load()
+        except Exception as error:  # any build failure makes the backend unavailable
+            return f"DeepSpeed's shm op could not be built: {error}"
+        return None
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "DeepSpeedShmBackend":
+        import deepspeed
+
+        module = cls._load()
+        store = ctx.store(cls.name)
+        if ctx.rank == 0:
+            store.set("token", secrets.token_hex(8))
+        token = store.get("token").decode()
+        with _environ(LOCAL_SIZE=str(ctx.world_size), MASTER_ADDR="pyddp.bench",
+                      MASTER_PORT=token):
+            module.initialize(ctx.world_size, ctx.rank)
+        # initialize() returns once this rank has mapped every peer's segment;
+        # after the barrier every rank has, so the names can go.
+        store.set(f"mapped/{ctx.rank}", "1")
+        store.wait([f"mapped/{r}" for r in range(ctx.world_size)])
+        os.unlink(f"/dev/shm/{cls.SEGMENT_PREFIX}_{os.getuid()}_pyddp.bench_{token}_{ctx.rank}")
+        # Releases before the ISA guard had no vector_kernel_level and ran the
+        # AVX512 kernels unconditionally.
+        level = module.vector_kernel_level() if hasattr(module, "vector_kernel_level") else 2
+        return cls(level, deepspeed.__version__)
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op != "all_reduce":
+            return "DeepSpeed's shm comm op implements all_reduce only"
+        if redop != "sum":
+            return "DeepSpeed's shm all_reduce sums only"
+        # The fp32 kernels need AVX2 (level 1), the fp16/bf16 ones AVX512BW (level 2);
+        # DeepSpeed itself falls back to torch.distributed below these levels.
+        needed = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 2}.get(dtype)
+        if needed is None:
+            return f"DeepSpeed's shm all_reduce has no {dtype} kernel"
+        if self._kernel_level < needed:
+            return f"this CPU lacks the vector ISA DeepSpeed's {dtype} shm kernel needs"
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        op = torch.ops.deepspeed.inference_all_reduce_
+        return lambda: op(tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        raise NotImplementedError("deepspeed: all_gather is not supported (see unsupported)")
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        raise NotImplementedError("deepspeed: broadcast is not supported (see unsupported)")
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        raise NotImplementedError("deepspeed: reduce_scatter is not supported (see unsupported)")
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def sync(self) -> None:
+        """Nothing to do: the shm all-reduce finishes before it returns."""
+
+    def close(self) -> None:
+        """Nothing to do: DeepSpeed keeps its mapping until the process exits."""
+
+
+BACKENDS: dict[str, type] = {
+    cls.name: cls for cls in (
+        PyddpShmBackend, GlooBackend, MpiBackend, DeepSpeedShmBackend,
+        TorchNcclBackend, PyddpIpcRingBackend, PyddpIpcDirectBackend, PyddpNcclBackend)
 }
+"""Every backend the tool knows, CPU ones first, in table order."""
+
+BASELINES = {"cpu": "gloo", "cuda": "nccl"}
+"""The peer every backend on a device is compared with by default."""

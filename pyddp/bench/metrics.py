@@ -1,6 +1,7 @@
-"""Bandwidth arithmetic and the result row, as nccl-tests defines them."""
+"""Bandwidth arithmetic and the rows a run produces, as nccl-tests defines them."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 def busbw_factor(op: str, world_size: int) -> float:
@@ -31,26 +32,49 @@ def busbw_factor(op: str, world_size: int) -> float:
 
 @dataclass(frozen=True)
 class Result:
-    """One measured (op, backend, size) point; a row of a table and of the JSON output."""
+    """One measured (op, backend, size) point; a row of a table and of the JSON/CSV output.
+
+    ``size`` is the message size in bytes as nccl-tests counts it (the
+    gathered buffer for all_gather and reduce_scatter) and ``count`` its
+    elements. ``detail`` names the library and its variant, ``device`` is
+    "cpu" or "cuda". ``redop`` is "none" and ``root`` -1 where they do not apply.
+    ``wrong`` is the number of wrong elements summed over ranks, None when
+    the run did not check.
+    """
 
     op: str
     backend: str
+    detail: str
+    device: str
     world_size: int
     size: int
     count: int
     dtype: str
+    redop: str
+    root: int
     iters: int
     time_us: float
     algbw_gbps: float
     busbw_gbps: float
-    wrong: int
+    wrong: Optional[int]
 
     @classmethod
-    def from_timing(cls, op: str, backend: str, world_size: int, size: int, count: int,
-                    dtype: str, iters: int, seconds: float, wrong: int) -> "Result":
+    def from_timing(cls, op: str, backend: str, detail: str, device: str, world_size: int,
+                    size: int, count: int, dtype: str, redop: str, root: int, iters: int,
+                    seconds: float, wrong: Optional[int]) -> "Result":
         """Derives time per call and bandwidths from ``iters`` calls taking ``seconds``."""
         per_call = seconds / iters
         algbw = size / per_call / 1e9 if per_call > 0 else 0.0
-        return cls(op=op, backend=backend, world_size=world_size, size=size, count=count,
-                   dtype=dtype, iters=iters, time_us=per_call * 1e6, algbw_gbps=algbw,
+        return cls(op=op, backend=backend, detail=detail, device=device, world_size=world_size,
+                   size=size, count=count, dtype=dtype, redop=redop, root=root, iters=iters,
+                   time_us=per_call * 1e6, algbw_gbps=algbw,
                    busbw_gbps=algbw * busbw_factor(op, world_size), wrong=wrong)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A backend (``op`` None) or one of its collectives that the run could not measure."""
+
+    backend: str
+    op: Optional[str]
+    reason: str

@@ -1,17 +1,106 @@
-"""The benchmarked collectives, behind one small protocol.
+"""The benchmarked collectives: buffers, exact inputs and an independent reference.
 
-A collective (all_gather, broadcast, reduce_scatter, ...) is added by writing
-a Case class with a ``prepare`` factory, listing it in ``OPS`` and adding its
-call to the Backend protocol; its busbw factor is in metrics.busbw_factor.
+Every rank's input is a closed-form function of (rank, element index) made of
+small integers, so each rank can compute the expected output of any
+collective by itself, in float64, without communicating; ``count_wrong``
+compares against that. A collective is added by writing a Case class with a
+``prepare`` factory, listing it in ``OPS``, giving backends a method for it and
+its busbw factor in metrics.busbw_factor.
 """
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
 
 import torch
 
 from pyddp.bench.backends import Backend
+
+REDOPS = ("sum", "prod", "min", "max", "avg")
+"""Reduction operators, by their nccl-tests names."""
+
+REDUCE_PERIOD = 5
+"""Inputs of sum/min/max/avg are 1..REDUCE_PERIOD, so a sum over n ranks is at most 5n."""
+
+PROD_PERIOD = 3
+"""prod inputs are 2 on every PROD_PERIOD-th (index + rank) and 1 elsewhere: products stay small."""
+
+DATA_PERIOD = 101
+"""all_gather and broadcast inputs are 1..DATA_PERIOD, distinct between ranks for n < 101."""
+
+SENTINEL = 0
+"""Outputs are filled with this before a checked run; no expected value is 0."""
+
+
+def exact_limit(dtype: torch.dtype) -> int:
+    """The largest integer that ``dtype`` and every integer below it represent exactly."""
+    if dtype.is_floating_point:
+        # eps = 2**-mantissa_bits, and integers are exact up to 2**(mantissa_bits + 1).
+        return round(2 / torch.finfo(dtype).eps)
+    return torch.iinfo(dtype).max
+
+
+def largest_value(op: str, redop: str, world_size: int) -> int:
+    """The largest value any input, partial or expected output of ``op`` takes."""
+    if op in ("all_gather", "broadcast"):
+        return DATA_PERIOD
+    if redop == "prod":
+        return 2 ** math.ceil(world_size / PROD_PERIOD)
+    if redop in ("sum", "avg"):
+        return REDUCE_PERIOD * world_size
+    return REDUCE_PERIOD
+
+
+def reduce_input(rank: int, count: int, redop: str) -> torch.Tensor:
+    """Rank ``rank``'s input for a reduction, as float64: element i of a global buffer."""
+    index = torch.arange(count, dtype=torch.int64)
+    if redop == "prod":
+        values = torch.where((index + rank) % PROD_PERIOD == 0, 2, 1)
+    else:
+        values = (index + 3 * rank) % REDUCE_PERIOD + 1
+    return values.to(torch.float64)
+
+
+def data_input(rank: int, count: int) -> torch.Tensor:
+    """Rank ``rank``'s input for all_gather and broadcast, as float64."""
+    return ((torch.arange(count, dtype=torch.int64) + 7 * rank) % DATA_PERIOD + 1).to(
+        torch.float64)
+
+
+def reduce_reference(world_size: int, count: int, redop: str) -> torch.Tensor:
+    """The reduction of every rank's ``reduce_input``, in float64 (computed locally)."""
+    acc = reduce_input(0, count, redop)
+    for rank in range(1, world_size):
+        x = reduce_input(rank, count, redop)
+        if redop in ("sum", "avg"):
+            acc += x
+        elif redop == "prod":
+            acc *= x
+        elif redop == "min":
+            torch.minimum(acc, x, out=acc)
+        elif redop == "max":
+            torch.maximum(acc, x, out=acc)
+        else:
+            raise ValueError(f"unknown reduction {redop!r}; known: {', '.join(REDOPS)}")
+    if redop == "avg":
+        acc /= world_size
+    return acc
+
+
+def count_mismatches(output: torch.Tensor, expected: torch.Tensor, redop: str) -> int:
+    """Elements of ``output`` that differ from ``expected`` (float64, same shape).
+
+    Every value is an exact small integer, so the comparison is exact, except
+    for avg: there the sum is exact but the division by the world size rounds,
+    and a backend may divide in another precision, so one unit in the last
+    place of ``output``'s dtype is allowed.
+    """
+    actual = output.to(torch.float64)
+    if redop == "avg":
+        tolerance = torch.finfo(output.dtype).eps * expected.abs()
+        return int(torch.count_nonzero((actual - expected).abs() > tolerance))
+    return int(torch.count_nonzero(actual != expected))
 
 
 class Case(Protocol):
@@ -19,46 +108,65 @@ class Case(Protocol):
 
     @property
     def count(self) -> int:
-        """Elements per rank that the collective's size is counted in."""
+        """Elements in the message size (nccl-tests' count column)."""
 
     @property
     def nbytes(self) -> int:
         """The message size in bytes (``count`` whole elements)."""
 
     def reset(self) -> None:
-        """Refills the inputs (collectives may work in place and overwrite them)."""
+        """Restores the inputs and blanks the outputs (collectives may work in place)."""
 
-    def run(self, backend: Backend) -> None:
-        """Runs the collective once on ``backend``."""
+    def bind(self, backend: Backend) -> Callable[[], None]:
+        """A function that runs the collective once on ``backend`` with these buffers."""
 
     def count_wrong(self) -> int:
         """Elements of this rank's output that differ from the expected answer.
 
-        Valid right after ``reset`` followed by one ``run``.
+        Valid right after ``reset`` followed by one run.
         """
 
 
 @dataclass
-class AllReduceCase:
-    """In-place SUM all-reduce of a tensor filled with ``rank + 1`` on every rank.
+class _Buffers:
+    """What every Case keeps: where it lives and the expected output, computed on demand."""
 
-    Every element of the result is 1 + 2 + ... + n = n(n+1)/2, exact in every
-    dtype for small n. Repeated runs re-reduce the previous result (the timed
-    loop does not reset), so values grow and float types may reach inf there;
-    ``count_wrong`` is only meaningful after ``reset`` and a single ``run``.
-    """
-
-    tensor: torch.Tensor
     rank: int
     world_size: int
+    dtype: torch.dtype
+    device: torch.device
+    _expected: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def place(self, values: torch.Tensor) -> torch.Tensor:
+        """float64 ``values`` as this case's dtype on its device."""
+        return values.to(self.dtype).to(self.device)
+
+    def expected(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The cached float64 reference on the case's device (``compute`` builds it once)."""
+        if self._expected is None:
+            self._expected = compute().to(self.device)
+        return self._expected
+
+
+class AllReduceCase:
+    """In-place all-reduce of ``reduce_input``; the result is ``reduce_reference``.
+
+    The timed loop does not reset, so repeated runs re-reduce the previous
+    result and values may grow to inf or wrap there; ``count_wrong`` is only
+    meaningful after ``reset`` and a single run.
+    """
+
+    def __init__(self, buffers: _Buffers, count: int, redop: str) -> None:
+        self._b = buffers
+        self._redop = redop
+        self._input = buffers.place(reduce_input(buffers.rank, count, redop))
+        self.tensor = torch.empty_like(self._input)
+        self.reset()
 
     @classmethod
-    def prepare(cls, nbytes: int, dtype: torch.dtype, rank: int, world_size: int
-                ) -> "AllReduceCase":
-        count = nbytes // dtype.itemsize
-        case = cls(torch.empty(count, dtype=dtype), rank, world_size)
-        case.reset()
-        return case
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "AllReduceCase":
+        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, redop)
 
     @property
     def count(self) -> int:
@@ -69,19 +177,141 @@ class AllReduceCase:
         return self.tensor.numel() * self.tensor.element_size()
 
     def reset(self) -> None:
-        self.tensor.fill_(self.rank + 1)
+        self.tensor.copy_(self._input)
 
-    def run(self, backend: Backend) -> None:
-        backend.all_reduce(self.tensor)
+    def bind(self, backend: Backend) -> Callable[[], None]:
+        return backend.all_reduce(self.tensor, self._redop)
 
     def count_wrong(self) -> int:
-        expected = self.world_size * (self.world_size + 1) // 2
-        return int(torch.count_nonzero(self.tensor != expected))
+        expected = self._b.expected(
+            lambda: reduce_reference(self._b.world_size, self.count, self._redop))
+        return count_mismatches(self.tensor, expected, self._redop)
 
 
-CaseFactory = Callable[[int, torch.dtype, int, int], Case]
-"""``prepare(nbytes, dtype, rank, world_size)``: buffers for a message of about ``nbytes``."""
+class BroadcastCase:
+    """Broadcast from ``root`` of ``data_input``; every rank ends with root's input."""
+
+    def __init__(self, buffers: _Buffers, count: int, root: int) -> None:
+        self._b = buffers
+        self._root = root
+        self._input = buffers.place(data_input(buffers.rank, count))
+        self.tensor = torch.empty_like(self._input)
+        self.reset()
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "BroadcastCase":
+        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, root)
+
+    @property
+    def count(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def reset(self) -> None:
+        self.tensor.copy_(self._input)
+
+    def bind(self, backend: Backend) -> Callable[[], None]:
+        return backend.broadcast(self.tensor, self._root)
+
+    def count_wrong(self) -> int:
+        expected = self._b.expected(lambda: data_input(self._root, self.count))
+        return count_mismatches(self.tensor, expected, "none")
+
+
+def _block_count(nbytes: int, dtype: torch.dtype, world_size: int) -> int:
+    """Elements per rank's block when ``nbytes`` is the whole n-block buffer (at least 1)."""
+    return max(1, nbytes // (dtype.itemsize * world_size))
+
+
+class AllGatherCase:
+    """All-gather of ``data_input`` (one block per rank) into a sentinel-filled buffer."""
+
+    def __init__(self, buffers: _Buffers, block: int) -> None:
+        self._b = buffers
+        self.input = buffers.place(data_input(buffers.rank, block))
+        self.output = torch.empty(block * buffers.world_size, dtype=buffers.dtype,
+                                  device=buffers.device)
+        self.reset()
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "AllGatherCase":
+        return cls(_Buffers(rank, world_size, dtype, device),
+                   _block_count(nbytes, dtype, world_size))
+
+    @property
+    def count(self) -> int:
+        return self.output.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.numel() * self.output.element_size()
+
+    def reset(self) -> None:
+        self.output.fill_(SENTINEL)
+
+    def bind(self, backend: Backend) -> Callable[[], None]:
+        return backend.all_gather(self.output, self.input)
+
+    def count_wrong(self) -> int:
+        block = self.input.numel()
+        expected = self._b.expected(lambda: torch.cat(
+            [data_input(r, block) for r in range(self._b.world_size)]))
+        return count_mismatches(self.output, expected, "none")
+
+
+class ReduceScatterCase:
+    """Reduce-scatter of an n-block ``reduce_input``: rank r gets block r of the reduction."""
+
+    def __init__(self, buffers: _Buffers, block: int, redop: str) -> None:
+        self._b = buffers
+        self._redop = redop
+        self.input = buffers.place(reduce_input(buffers.rank, block * buffers.world_size, redop))
+        self.output = torch.empty(block, dtype=buffers.dtype, device=buffers.device)
+        self.reset()
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "ReduceScatterCase":
+        return cls(_Buffers(rank, world_size, dtype, device),
+                   _block_count(nbytes, dtype, world_size), redop)
+
+    @property
+    def count(self) -> int:
+        return self.input.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.numel() * self.input.element_size()
+
+    def reset(self) -> None:
+        self.output.fill_(SENTINEL)
+
+    def bind(self, backend: Backend) -> Callable[[], None]:
+        return backend.reduce_scatter(self.output, self.input, self._redop)
+
+    def count_wrong(self) -> int:
+        block = self.output.numel()
+        start = self._b.rank * block
+        expected = self._b.expected(lambda: reduce_reference(
+            self._b.world_size, block * self._b.world_size, self._redop)[start:start + block])
+        return count_mismatches(self.output, expected, self._redop)
+
+
+CaseFactory = Callable[[int, torch.dtype, torch.device, int, int, str, int], Case]
+"""``prepare(nbytes, dtype, device, rank, world_size, redop, root)``: buffers of about ``nbytes``.
+"""
 
 OPS: dict[str, CaseFactory] = {
     "all_reduce": AllReduceCase.prepare,
+    "all_gather": AllGatherCase.prepare,
+    "broadcast": BroadcastCase.prepare,
+    "reduce_scatter": ReduceScatterCase.prepare,
 }
+
+REDUCING_OPS = frozenset({"all_reduce", "reduce_scatter"})
+"""The collectives that take a reduction operator."""

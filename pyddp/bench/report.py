@@ -1,72 +1,126 @@
-"""Rendering results: nccl-tests-shaped tables, the comparison summary and JSON."""
+"""Rendering results: nccl-tests-shaped tables, the ratio summary, skips, JSON and CSV."""
 
+import csv
 import dataclasses
 import json
-from collections.abc import Iterable
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any, Optional
 
-from pyddp.bench.metrics import Result
+import torch
 
-_ROW = "{:>12}  {:>12}  {:>8}  {:>11}  {:>12}  {:>12}  {:>8}"
+from pyddp.bench.metrics import Result, Skipped
+
+_ROW = "{:>12}  {:>12}  {:>8}  {:>6}  {:>4}  {:>11}  {:>12}  {:>12}  {:>7}"
 
 
-def table(results: list[Result]) -> str:
+def table(results: Sequence[Result]) -> str:
     """One table for the results of a single (op, backend), in size order."""
     first = results[0]
     lines = [
-        f"# op: {first.op}  backend: {first.backend}  ranks: {first.world_size}  "
-        f"dtype: {first.dtype}",
-        "#" + _ROW.format("size (B)", "count", "type", "time (us)", "algbw (GB/s)",
-                          "busbw (GB/s)", "#wrong")[1:],
+        f"# {first.op}  backend: {first.backend} ({first.detail})  ranks: {first.world_size}  "
+        f"device: {first.device}",
+        "#" + _ROW.format("size (B)", "count", "type", "redop", "root", "time (us)",
+                          "algbw (GB/s)", "busbw (GB/s)", "#wrong")[1:],
     ]
     for r in results:
-        lines.append(_ROW.format(r.size, r.count, r.dtype, f"{r.time_us:.1f}",
-                                 f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}", r.wrong))
+        lines.append(_ROW.format(r.size, r.count, r.dtype, r.redop, r.root, f"{r.time_us:.1f}",
+                                 f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}",
+                                 "N/A" if r.wrong is None else r.wrong))
     return "\n".join(lines)
 
 
-def summary(candidate: list[Result], baseline: list[Result]) -> str:
-    """Per size, ``candidate``'s speed-up over ``baseline`` (same op, same sizes).
+def summary(results: Sequence[Result], backends: Sequence[str], baseline: str) -> Optional[str]:
+    """Per size, each backend's speed-up over ``baseline``: baseline time / backend time.
 
-    The speed-up is baseline time / candidate time, which is also candidate
-    busbw / baseline busbw (same size, same factor); both busbw are shown.
+    ``results`` are of one op and one device. That ratio is also the busbw
+    ratio (same size, same factor); above 1 the backend is faster. A backend
+    without a point at some size shows "-". None when ``baseline`` has no
+    results here or no other backend has.
     """
-    c0, b0 = candidate[0], baseline[0]
-    row = "{:>12}  {:>12}  {:>12}  {:>9}  {:>12}  {:>12}"
+    base = {r.size: r for r in results if r.backend == baseline}
+    others = [name for name in backends
+              if name != baseline and any(r.backend == name for r in results)]
+    if not base or not others:
+        return None
+    first = next(iter(base.values()))
+    times = {(r.backend, r.size): r.time_us for r in results}
+    row = "{:>12}  {:>12}" + "  {:>12}" * len(others)
     lines = [
-        f"# summary: {c0.op}, {c0.backend} vs {b0.backend} "
-        f"(speed-up = {b0.backend} time / {c0.backend} time = busbw ratio)",
-        "#" + row.format("size (B)", f"{c0.backend} (us)", f"{b0.backend} (us)", "speed-up",
-                         f"{c0.backend} busbw", f"{b0.backend} busbw")[1:],
+        f"# summary: {first.op} on {first.device}, speed-up over {baseline} "
+        f"({baseline} time / backend time = busbw ratio; above 1 is faster)",
+        "#" + row.format("size (B)", f"{baseline} (us)", *others)[1:],
     ]
-    by_size = {r.size: r for r in baseline}
-    for c in candidate:
-        b = by_size[c.size]
-        lines.append(row.format(c.size, f"{c.time_us:.1f}", f"{b.time_us:.1f}",
-                                f"{b.time_us / c.time_us:.2f}x", f"{c.busbw_gbps:.3f}",
-                                f"{b.busbw_gbps:.3f}"))
+    for size in sorted(base):
+        cells = [f"{base[size].time_us / times[name, size]:.2f}x" if (name, size) in times
+                 else "-" for name in others]
+        lines.append(row.format(size, f"{base[size].time_us:.1f}", *cells))
     return "\n".join(lines)
 
 
-def render(results: list[Result], ops: Iterable[str], backends: list[str], baseline: str) -> str:
-    """All tables (per op, per backend), then each backend's summary against ``baseline``.
+def skipped_lines(skipped: Sequence[Skipped]) -> str:
+    """One ``# skipped:`` line per backend or (backend, op) that did not run, with why."""
+    return "\n".join(
+        f"# skipped: {s.backend}{'' if s.op is None else ' ' + s.op}: {s.reason}"
+        for s in skipped)
 
-    The summary is left out when ``baseline`` was not run.
+
+def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[str],
+           backends: Sequence[str], baselines: dict[str, str], checked: bool) -> str:
+    """All tables (per op, per backend), each op's summaries, the skips and the wrong count.
+
+    ``baselines`` maps a device ("cpu", "cuda") to the backend its summary
+    compares with.
     """
     blocks: list[str] = []
     for op in ops:
-        runs = {name: [r for r in results if r.op == op and r.backend == name]
-                for name in backends}
-        blocks.extend(table(runs[name]) for name in backends if runs[name])
-        if runs.get(baseline):
-            blocks.extend(summary(runs[name], runs[baseline])
-                          for name in backends if name != baseline and runs[name])
-    wrong = sum(r.wrong for r in results)
-    blocks.append(f"# wrong elements: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        of_op = [r for r in results if r.op == op]
+        for name in backends:
+            rows = [r for r in of_op if r.backend == name]
+            if rows:
+                blocks.append(table(rows))
+        for device, baseline in baselines.items():
+            text = summary([r for r in of_op if r.device == device], backends, baseline)
+            if text is not None:
+                blocks.append(text)
+    if skipped:
+        blocks.append(skipped_lines(skipped))
+    if checked:
+        wrong = sum(r.wrong or 0 for r in results)
+        blocks.append(f"# wrong elements: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    else:
+        blocks.append("# wrong elements: not checked (--no-check)")
     return "\n\n".join(blocks)
 
 
-def write_json(results: list[Result], path: str) -> None:
-    """Writes ``results`` to ``path`` as a JSON list of dicts, one per (op, backend, size)."""
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on, for the JSON output."""
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def write_json(path: str, plan: dict[str, Any], results: Sequence[Result],
+               skipped: Sequence[Skipped]) -> None:
+    """Writes ``{"plan", "environment", "results", "skipped"}`` to ``path``; one result per
+    (op, backend, size), fields as in metrics.Result."""
+    document = {
+        "plan": plan,
+        "environment": environment(),
+        "results": [dataclasses.asdict(r) for r in results],
+        "skipped": [dataclasses.asdict(s) for s in skipped],
+    }
     with open(path, "w", encoding="utf-8") as f:
-        json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
+        json.dump(document, f, indent=2)
         f.write("\n")
+
+
+def write_csv(path: str, results: Sequence[Result]) -> None:
+    """Writes one CSV row per result, columns as the fields of metrics.Result ("" for None)."""
+    fields = [f.name for f in dataclasses.fields(Result)]
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in results:
+            writer.writerow({k: ("" if v is None else v) for k, v in dataclasses.asdict(r).items()})

@@ -1,22 +1,31 @@
-"""What each spawned rank runs: join the groups, then one timing loop for every point."""
+"""What each rank runs: join the groups, then one timing loop for every point.
 
+A rank is either started by the launcher (``python -m pyddp.bench.worker
+RUN_DIR``, with RANK/WORLD_SIZE in its environment, or under mpirun) and
+reports through a file of JSON lines in RUN_DIR, or is the tool itself under
+torchrun and calls ``sweep`` directly.
+"""
+
+import dataclasses
 import datetime
+import json
 import math
+import os
+import statistics
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from multiprocessing.queues import Queue
-from typing import Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from pyddp.bench.backends import BACKENDS, Backend, RankContext
-from pyddp.bench.metrics import Result
-from pyddp.bench.ops import OPS, Case
+from pyddp.bench.backends import BACKENDS, Backend, RankContext, Run
+from pyddp.bench.metrics import Result, Skipped
+from pyddp.bench.ops import OPS, REDUCING_OPS, Case
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -29,12 +38,16 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 
-MIN_ITERS = 5
+MIN_ITERS = 2
+"""Iterations per timed block at least, however slow a call is."""
 MAX_ITERS = 1_000_000
 PROBE_ITERS = 3
 
-Message = tuple[Literal["result", "done", "error"], int, Union[Result, str, None]]
-"""``(kind, rank, payload)`` sent to the launcher: a Result, a traceback or nothing."""
+PLAN_FILE = "plan.json"
+STORE_FILE = "store"
+
+Event = Union[Result, Skipped]
+"""What a sweep yields: a measured point, or a backend (or one of its ops) it could not run."""
 
 
 @dataclass(frozen=True)
@@ -46,86 +59,189 @@ class Plan:
     ops: list[str]
     backends: list[str]
     dtype: str
+    redop: str
+    root: int
     iters: Optional[int]
     warmup: int
     target_seconds: float
     timeout_seconds: float
+    check: bool
+    threads: int
+    trials: int
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path, encoding="utf-8") as f:
+            return cls(**json.load(f))
 
 
-def run_rank(rank: int, plan: Plan, store_dir: str, queue: "Queue[Message]") -> None:
-    """Entry point of a spawned rank; the ranks rendezvous through FileStores in ``store_dir``.
+@dataclass(frozen=True)
+class Launch:
+    """Where a process stands in a run that something else started (launcher, torchrun, mpirun)."""
 
-    Rank 0 sends every Result; each rank ends with a "done" message, or an
-    "error" message with its traceback and exit code 1.
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    by_mpirun: bool
+
+
+def launched_rank(environ: Optional[dict[str, str]] = None) -> Optional[Launch]:
+    """This process's place from RANK/WORLD_SIZE (torchrun, the launcher) or Open MPI's
+    OMPI_COMM_WORLD_* variables (mpirun); None when neither is set."""
+    env = os.environ if environ is None else environ
+    for prefix, by_mpirun in (("", False), ("OMPI_COMM_WORLD_", True)):
+        names = ("RANK", "SIZE" if by_mpirun else "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_SIZE" if by_mpirun else "LOCAL_WORLD_SIZE")
+        rank, world, local_rank, local_world = (env.get(prefix + name) for name in names)
+        if rank is not None and world is not None:
+            world_size = int(world)
+            return Launch(int(rank), world_size, int(local_rank or rank),
+                          int(local_world or world_size), by_mpirun)
+    return None
+
+
+def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
+    """Measures every (size, op, backend) point on this rank, sizes outermost.
+
+    Every rank yields the same events. The default torch.distributed group
+    (gloo) is created first: it carries the bookkeeping collectives and is the
+    "gloo" backend.
     """
-    try:
-        torch.set_num_threads(1)
-        for result in _sweep(rank, plan, store_dir):
-            if rank == 0:
-                queue.put(("result", rank, result))
-        queue.put(("done", rank, None))
-    except Exception:
-        queue.put(("error", rank, traceback.format_exc()))
-        sys.exit(1)
-
-
-def _sweep(rank: int, plan: Plan, store_dir: str) -> Iterator[Result]:
-    """Measures every (size, op, backend) point, sizes outermost.
-
-    Backends alternate within a size, so slow drifts of a shared machine hit
-    them alike. The default torch.distributed group (gloo) is created first:
-    it carries the bookkeeping collectives and is the "gloo" backend.
-    """
-    ctx = RankContext(rank, plan.world_size, store_dir,
-                      datetime.timedelta(seconds=plan.timeout_seconds))
-    dist.init_process_group("gloo", store=ctx.store("gloo"), rank=rank,
-                            world_size=plan.world_size, timeout=ctx.timeout)
+    timeout = datetime.timedelta(seconds=plan.timeout_seconds)
+    ctx = RankContext(launch.rank, launch.world_size, launch.local_rank,
+                      launch.local_world_size, store, timeout, launch.by_mpirun)
+    dist.init_process_group("gloo", store=ctx.store("gloo"), rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
+    dtype = DTYPES[plan.dtype]
     try:
         with ExitStack() as stack:
-            backends = []
+            active: dict[str, list[Backend]] = {op: [] for op in plan.ops}
             for name in plan.backends:
-                backend = BACKENDS[name](ctx)
+                reason = _agree(BACKENDS[name].probe(ctx))
+                if reason is not None:
+                    yield Skipped(name, None, reason)
+                    continue
+                backend = BACKENDS[name].open(ctx)
                 stack.callback(backend.close)
-                backends.append(backend)
+                for op in plan.ops:
+                    reason = backend.unsupported(op, plan.redop, dtype)
+                    if reason is None:
+                        active[op].append(backend)
+                    else:
+                        yield Skipped(name, op, reason)
             for size in plan.sizes:
                 for op in plan.ops:
-                    case = OPS[op](size, DTYPES[plan.dtype], rank, plan.world_size)
-                    for backend in backends:
-                        yield _measure(op, case, backend, plan)
+                    cases: dict[torch.device, Case] = {}
+                    for backend in active[op]:
+                        if backend.device not in cases:
+                            cases[backend.device] = OPS[op](
+                                size, dtype, backend.device, launch.rank, launch.world_size,
+                                plan.redop, plan.root)
+                    yield from _measure(op, [_Point(op, cases[b.device], b) for b in active[op]],
+                                        plan)
     finally:
         dist.destroy_process_group()
 
 
-def _measure(op: str, case: Case, backend: Backend, plan: Plan) -> Result:
-    """The timing loop: warm up, agree on iterations, time them, then check one fresh run."""
-    case.reset()
-    for _ in range(plan.warmup):
-        case.run(backend)
-    iters = plan.iters if plan.iters is not None else _calibrate(case, backend,
-                                                                  plan.target_seconds)
-    backend.barrier()
-    seconds = _max_over_ranks(_time(case, backend, iters))
-    case.reset()
-    case.run(backend)
-    wrong = _sum_over_ranks(case.count_wrong())
-    return Result.from_timing(op, backend.name, plan.world_size, case.nbytes, case.count,
-                              plan.dtype, iters, seconds, wrong)
+def _agree(reason: Optional[str]) -> Optional[str]:
+    """One answer for every rank: None if no rank has a reason, else the reasons given."""
+    reasons: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    given = {r: text for r, text in enumerate(reasons) if text is not None}
+    if not given:
+        return None
+    if len(set(given.values())) == 1 and len(given) == len(reasons):
+        return next(iter(given.values()))
+    return "; ".join(f"rank {r}: {text}" for r, text in given.items())
 
 
-def _calibrate(case: Case, backend: Backend, target_seconds: float) -> int:
+class _Point:
+    """One (op, size, backend) being measured: its bound call, iterations and trial times."""
+
+    def __init__(self, op: str, case: Case, backend: Backend) -> None:
+        self.op = op
+        self.case = case
+        self.backend = backend
+        self.iters = 0
+        self.trial_seconds: list[float] = []
+        try:
+            self.run = case.bind(backend)
+        except Exception as error:
+            raise self.error(error) from error
+
+    def error(self, error: Exception) -> RuntimeError:
+        """``error`` with the rank and the point it happened at."""
+        return RuntimeError(f"rank {dist.get_rank()}: {self.backend.name} {self.op} of "
+                            f"{self.case.nbytes} bytes failed: {error}")
+
+
+def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
+    """The timing loop for one (op, size) over every backend that runs it.
+
+    Each backend warms up and calibrates its iteration count; then the
+    backends take turns, ``plan.trials`` timed blocks each, so a burst of load
+    on a shared machine hits them alike; the time reported is the median
+    block (each block's time is the slowest rank's). Last, with --check,
+    each runs once more from fresh inputs and its output is compared with the
+    local reference.
+    """
+    target = plan.target_seconds / plan.trials
+    for point in points:
+        try:
+            point.case.reset()
+            for _ in range(plan.warmup):
+                point.run()
+            point.backend.sync()
+            point.iters = plan.iters or _calibrate(point.run, point.backend, target)
+        except Exception as error:
+            raise point.error(error) from error
+    for _ in range(plan.trials):
+        for point in points:
+            try:
+                point.backend.barrier()
+                point.trial_seconds.append(
+                    _max_over_ranks(_time(point.run, point.backend, point.iters)))
+            except Exception as error:
+                raise point.error(error) from error
+    redop = plan.redop if op in REDUCING_OPS else "none"
+    root = plan.root if op == "broadcast" else -1
+    for point in points:
+        wrong = None
+        if plan.check:
+            try:
+                point.case.reset()
+                point.run()
+                point.backend.sync()
+                wrong = _sum_over_ranks(point.case.count_wrong())
+            except Exception as error:
+                raise point.error(error) from error
+        backend = point.backend
+        yield Result.from_timing(op, backend.name, backend.detail, backend.device.type,
+                                 plan.world_size, point.case.nbytes, point.case.count,
+                                 plan.dtype, redop, root, point.iters,
+                                 statistics.median(point.trial_seconds), wrong)
+
+
+def _calibrate(run: Run, backend: Backend, target_seconds: float) -> int:
     """Iterations that take about ``target_seconds``, from a short probe; equal on all ranks."""
     backend.barrier()
-    per_call = _max_over_ranks(_time(case, backend, PROBE_ITERS)) / PROBE_ITERS
+    per_call = _max_over_ranks(_time(run, backend, PROBE_ITERS)) / PROBE_ITERS
     if per_call <= 0:
         return MAX_ITERS
     return max(MIN_ITERS, min(MAX_ITERS, math.ceil(target_seconds / per_call)))
 
 
-def _time(case: Case, backend: Backend, iters: int) -> float:
-    """Seconds that ``iters`` back-to-back runs take on this rank."""
+def _time(run: Run, backend: Backend, iters: int) -> float:
+    """Seconds that ``iters`` back-to-back runs take on this rank, until its device is done."""
     start = time.perf_counter()
     for _ in range(iters):
-        case.run(backend)
+        run()
+    backend.sync()
     return time.perf_counter() - start
 
 
@@ -141,3 +257,68 @@ def _sum_over_ranks(value: int) -> int:
     buf = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(buf)
     return int(buf.item())
+
+
+def encode(kind: str, rank: int, payload: Optional[Union[Event, str]] = None) -> str:
+    """One line of a rank's event file: ``{"kind", "rank", ...}`` as JSON."""
+    record: dict[str, Any] = {"kind": kind, "rank": rank}
+    if isinstance(payload, (Result, Skipped)):
+        record["data"] = dataclasses.asdict(payload)
+    elif payload is not None:
+        record["text"] = payload
+    return json.dumps(record) + "\n"
+
+
+def decode(line: str) -> tuple[str, int, Optional[Union[Event, str]]]:
+    """The inverse of ``encode``: ``(kind, rank, Result | Skipped | text | None)``."""
+    record = json.loads(line)
+    kind, rank = record["kind"], record["rank"]
+    if kind == "result":
+        return kind, rank, Result(**record["data"])
+    if kind == "skip":
+        return kind, rank, Skipped(**record["data"])
+    return kind, rank, record.get("text")
+
+
+def events_path(run_dir: str, rank: int) -> str:
+    """The file rank ``rank`` reports to."""
+    return os.path.join(run_dir, f"rank{rank}.events")
+
+
+def main(argv: list[str]) -> int:
+    """A rank started by the launcher: runs the plan in ``argv[0]`` and reports there.
+
+    Writes "start" (with the pid, so the launcher can reap it), then rank 0
+    writes every result and skip, then each rank "done" or "error" with its
+    traceback (exit status 1).
+    """
+    run_dir = argv[0]
+    launch = launched_rank()
+    if launch is None:
+        print("pyddp.bench.worker: started without RANK/WORLD_SIZE or mpirun", file=sys.stderr)
+        return 2
+    rank = launch.rank
+
+    with open(events_path(run_dir, rank), "a", encoding="utf-8") as out:
+        def emit(kind: str, payload: Optional[Union[Event, str]] = None) -> None:
+            out.write(encode(kind, rank, payload))
+            out.flush()
+
+        emit("start", str(os.getpid()))
+        try:
+            plan = Plan.load(os.path.join(run_dir, PLAN_FILE))
+            torch.set_num_threads(plan.threads)
+            store = dist.FileStore(os.path.join(run_dir, STORE_FILE), launch.world_size)
+            store.set_timeout(datetime.timedelta(seconds=plan.timeout_seconds))
+            for event in sweep(plan, launch, store):
+                if rank == 0:
+                    emit("result" if isinstance(event, Result) else "skip", event)
+            emit("done")
+            return 0
+        except Exception:
+            emit("error", traceback.format_exc())
+            return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,418 @@
+#ifdef PYDDP_WITH_CUDA
+
+#include "transport/cuda_ipc.h"
+
+#include <cstring>
+#include <iomanip>
+#include <random>
+#include <sstream>
+
+#include "common/check.h"
+#include "kernels/cuda.h"
+
+namespace pyddp {
+namespace ipc {
+namespace {
+
+// Separates the control (shm) part of the bootstrap blob from the IPC part.
+constexpr char kBlobSeparator = '\x1e';
+
+// hostWords_ holds three int64 words, each on its own 64-byte line: the
+// error word, the abort word and a constant 1 (the source of the failed
+// flag that abandon() copies to the device).
+constexpr size_t kWordStride = 64 / sizeof(int64_t);
+constexpr size_t kErrorWord = 0, kAbortWord = kWordStride, kOneWord = 2 * kWordStride;
+constexpr size_t kWordsBytes = 3 * 64;
+
+// Makes `device` current for a scope and restores the previous one. Never
+// throws: the destructor of the transport uses it too.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+void cudaCheck(cudaError_t err, int rank, const char* what) {
+  PYDDP_CHECK_COMM(err == cudaSuccess, "rank ", rank, ": cuda_ipc: ", what, " failed: ",
+                   cudaGetErrorString(err));
+}
+
+size_t roundUp(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
+// The control segment only agrees on collectives: no ring slots, no staging.
+RingOptions controlOptions(const RingOptions& options) {
+  RingOptions o = options;
+  o.slotBytes = 64;
+  o.numSlots = 2;
+  o.directMaxBytes = 0;
+  o.twoShotMaxBytes = 0;
+  o.algo = Algo::Ring;
+  return o;
+}
+
+struct IpcBlob {
+  cudaIpcMemHandle_t handle;
+  uint64_t token = 0;
+  size_t bytes = 0;
+  size_t slotBytes = 0;
+  int numSlots = 0;
+  size_t stagingBytes = 0;
+};
+
+std::string encode(const IpcBlob& b) {
+  std::ostringstream out;
+  const auto* raw = reinterpret_cast<const unsigned char*>(&b.handle);
+  for (size_t i = 0; i < sizeof(b.handle); ++i) {
+    out << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(raw[i]);
+  }
+  out << std::dec << ' ' << b.token << ' ' << b.bytes << ' ' << b.slotBytes << ' '
+      << b.numSlots << ' ' << b.stagingBytes;
+  return out.str();
+}
+
+IpcBlob decode(const std::string& text) {
+  IpcBlob b;
+  std::istringstream in(text);
+  std::string hex;
+  in >> hex >> b.token >> b.bytes >> b.slotBytes >> b.numSlots >> b.stagingBytes;
+  PYDDP_CHECK(hex.size() == 2 * sizeof(b.handle) && !in.fail(),
+              "malformed cuda_ipc bootstrap blob");
+  auto* raw = reinterpret_cast<unsigned char*>(&b.handle);
+  for (size_t i = 0; i < sizeof(b.handle); ++i) {
+    raw[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  }
+  return b;
+}
+
+std::pair<std::string, std::string> split(const std::string& blob) {
+  const size_t at = blob.find(kBlobSeparator);
+  PYDDP_CHECK(at != std::string::npos, "malformed cuda_ipc bootstrap blob");
+  return {blob.substr(0, at), blob.substr(at + 1)};
+}
+
+} // namespace
+
+CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& options,
+                                   int device, cudaStream_t stream)
+    : rank_(rank),
+      worldSize_(worldSize),
+      device_(device),
+      slotBytes_(options.slotBytes),
+      numSlots_(options.numSlots),
+      stagingBytes_(roundUp(options.stagingBytes(), kFlagAlign)),
+      timeoutNs_(static_cast<uint64_t>(options.timeoutMs) * 1000000ull),
+      stream_(stream),
+      control_(std::make_unique<shm::ShmTransport>(rank, worldSize, controlOptions(options))),
+      bases_(worldSize, nullptr) {
+  options.validate();
+  PYDDP_CHECK_VALUE(worldSize <= kMaxRanks, "the cuda_ipc transport serves at most ",
+                    kMaxRanks, " ranks, got world_size ", worldSize,
+                    "; use the nccl backend");
+}
+
+CudaIpcTransport::~CudaIpcTransport() {
+  // End every wait still queued, then let the streams drain: kernels must
+  // not touch buffers freed below. Errors are ignored: a destructor cannot
+  // report them, and a failed context frees everything anyway.
+  if (!bases_[rank_] && !hostWords_) return;  // setup() never ran
+  if (hostWords_) static_cast<volatile int64_t*>(hostWords_)[kAbortWord] = 1;
+  DeviceScope scope(device_);
+  cudaStreamSynchronize(stream_);
+  if (sideStream_) {
+    cudaStreamSynchronize(sideStream_);
+    cudaStreamDestroy(sideStream_);
+  }
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer != rank_ && bases_[peer]) cudaIpcCloseMemHandle(bases_[peer]);
+  }
+  if (bases_[rank_]) cudaFree(bases_[rank_]);
+  if (hostWords_) cudaFreeHost(hostWords_);
+}
+
+std::string CudaIpcTransport::setup() {
+  DeviceScope scope(device_);
+  bytes_ = sizeof(IpcHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * stagingBytes_;
+  void* base = nullptr;
+  cudaCheck(cudaMalloc(&base, bytes_), rank_, "cudaMalloc of the IPC buffer");
+  bases_[rank_] = static_cast<char*>(base);
+  cudaCheck(cudaMemset(base, 0, bytes_), rank_, "clearing the IPC buffer");
+  std::random_device entropy;
+  token_ = (static_cast<uint64_t>(entropy()) << 32) | entropy();
+  cudaCheck(cudaMemcpy(&header(rank_)->token, &token_, sizeof(token_), cudaMemcpyHostToDevice),
+            rank_, "writing the IPC token");
+  void* words = nullptr;
+  cudaCheck(cudaHostAlloc(&words, kWordsBytes, cudaHostAllocMapped), rank_,
+            "cudaHostAlloc of the error words");
+  hostWords_ = static_cast<int64_t*>(words);
+  std::memset(hostWords_, 0, kWordsBytes);
+  hostWords_[kOneWord] = 1;
+  void* devWords = nullptr;
+  cudaCheck(cudaHostGetDevicePointer(&devWords, words, 0), rank_,
+            "mapping the error words");
+  words_.error = static_cast<int64_t*>(devWords) + kErrorWord;
+  words_.abort = static_cast<int64_t*>(devWords) + kAbortWord;
+  words_.ownFailed = &header(rank_)->failed.value;
+  cudaCheck(cudaStreamCreateWithFlags(&sideStream_, cudaStreamNonBlocking), rank_,
+            "creating the side stream");
+
+  IpcBlob b;
+  cudaCheck(cudaIpcGetMemHandle(&b.handle, base), rank_, "cudaIpcGetMemHandle");
+  b.token = token_;
+  b.bytes = bytes_;
+  b.slotBytes = slotBytes_;
+  b.numSlots = numSlots_;
+  b.stagingBytes = stagingBytes_;
+  return control_->setup() + kBlobSeparator + encode(b);
+}
+
+std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) const {
+  const auto [control, ipcPart] = split(blob);
+  std::string why = control_->whyNotConnect(peer, control);
+  if (!why.empty()) return why;
+  const IpcBlob b = decode(ipcPart);
+  if (b.slotBytes != slotBytes_ || b.numSlots != numSlots_ || b.stagingBytes != stagingBytes_) {
+    return "rank " + std::to_string(peer) + " uses a different cuda_ipc geometry (set "
+           "PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS, PYDDP_DIRECT_MAX_BYTES and "
+           "PYDDP_TWO_SHOT_MAX_BYTES alike on all ranks)";
+  }
+  return "";
+}
+
+void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
+  DeviceScope scope(device_);
+  std::vector<std::string> controlBlobs(worldSize_);
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    controlBlobs[peer] = split(blobs[peer]).first;
+    if (peer == rank_) continue;
+    const std::string why = whyNotConnect(peer, blobs[peer]);
+    PYDDP_CHECK_COMM(why.empty(), "rank ", rank_, ": cuda_ipc cannot reach ", why);
+  }
+  control_->connect(controlBlobs);
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer == rank_) continue;
+    const IpcBlob b = decode(split(blobs[peer]).second);
+    void* mapped = nullptr;
+    cudaCheck(cudaIpcOpenMemHandle(&mapped, b.handle, cudaIpcMemLazyEnablePeerAccess), rank_,
+              ("cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s buffer").c_str());
+    bases_[peer] = static_cast<char*>(mapped);
+    // Prove access instead of trusting cudaDeviceCanAccessPeer: read the
+    // peer's token through the mapping, write ours into its probe slot and
+    // read it back.
+    uint64_t seen = 0;
+    cudaCheck(cudaMemcpy(&seen, &header(peer)->token, sizeof(seen), cudaMemcpyDeviceToHost),
+              rank_, "reading a peer's IPC buffer");
+    PYDDP_CHECK_COMM(seen == b.token, "rank ", rank_, ": cuda_ipc: reading rank ", peer,
+                     "'s buffer returned the wrong token: peer memory is not accessible");
+    cudaCheck(cudaMemcpy(&header(peer)->probe[rank_], &token_, sizeof(token_),
+                         cudaMemcpyHostToDevice),
+              rank_, "writing a peer's IPC buffer");
+    seen = 0;
+    cudaCheck(cudaMemcpy(&seen, &header(peer)->probe[rank_], sizeof(seen),
+                         cudaMemcpyDeviceToHost),
+              rank_, "reading back a peer's IPC buffer");
+    PYDDP_CHECK_COMM(seen == token_, "rank ", rank_, ": cuda_ipc: a write to rank ", peer,
+                     "'s buffer did not read back: peer memory is not writable");
+  }
+}
+
+void CudaIpcTransport::connected() {
+  control_->connected();
+}
+
+std::string CudaIpcTransport::deviceError() const {
+  const int64_t word = hostWords_ ? static_cast<volatile int64_t*>(hostWords_)[kErrorWord] : 0;
+  if (word == 0) return "";
+  const int peer = errorRank(word);
+  switch (errorCode(word)) {
+    case kTimeout:
+      return "rank " + std::to_string(rank_) + ": cuda_ipc: rank " + std::to_string(peer) +
+             " did not signal within " + std::to_string(timeoutNs_ / 1000000) +
+             " ms (a device-side wait timed out)";
+    case kPeerFailed:
+      return "rank " + std::to_string(rank_) + ": cuda_ipc: rank " + std::to_string(peer) +
+             " gave up on a collective, so this rank's waits on it ended";
+    case kAborted:
+      return "rank " + std::to_string(rank_) + ": cuda_ipc: the process group was destroyed";
+    default:
+      return "rank " + std::to_string(rank_) + ": cuda_ipc: unknown device error " +
+             std::to_string(word);
+  }
+}
+
+void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
+  const std::string failed = deviceError();
+  PYDDP_CHECK_COMM(failed.empty(), failed);
+  control_->enter(desc, deadline);
+}
+
+void CudaIpcTransport::abandon(const std::string& why) {
+  control_->abandon(why);
+  // Peers' device waits on this rank end too: the side stream does not
+  // queue behind this rank's own (maybe spinning) kernels.
+  if (hostWords_ && sideStream_) {
+    DeviceScope scope(device_);
+    cudaMemcpyAsync(const_cast<uint64_t*>(words_.ownFailed), hostWords_ + kOneWord,
+                    sizeof(uint64_t), cudaMemcpyHostToDevice, sideStream_);
+  }
+}
+
+void CudaIpcTransport::abort() {
+  control_->abort();
+  if (hostWords_) static_cast<volatile int64_t*>(hostWords_)[kAbortWord] = 1;
+}
+
+void CudaIpcTransport::waitFor(const WaitList& waits) {
+  cudaCheck(launchWait(waits, words_, timeoutNs_, stream_), rank_, "launching a wait");
+}
+
+void CudaIpcTransport::signal(const SignalList& signals) {
+  cudaCheck(launchSignal(signals, words_, stream_), rank_, "launching a signal");
+}
+
+void CudaIpcTransport::addSendSlotFree(WaitList& w, uint64_t piece) const {
+  if (piece + 1 <= static_cast<uint64_t>(numSlots_)) return;  // a slot never used
+  const int next = (rank_ + 1) % worldSize_;
+  w.flag[w.n] = &header(next)->consumed.value;
+  w.peerFailed[w.n] = &header(next)->failed.value;
+  w.target[w.n] = piece + 1 - numSlots_;
+  w.peer[w.n] = next;
+  ++w.n;
+}
+
+void CudaIpcTransport::addRecvArrived(WaitList& w, uint64_t piece) const {
+  const int prev = (rank_ + worldSize_ - 1) % worldSize_;
+  w.flag[w.n] = &header(prev)->posted.value;
+  w.peerFailed[w.n] = &header(prev)->failed.value;
+  w.target[w.n] = piece + 1;
+  w.peer[w.n] = prev;
+  ++w.n;
+}
+
+char* CudaIpcTransport::sendSlot(uint64_t piece) const {
+  return slots(rank_) + (piece % numSlots_) * slotBytes_;
+}
+
+const char* CudaIpcTransport::recvSlot(uint64_t piece) const {
+  const int prev = (rank_ + worldSize_ - 1) % worldSize_;
+  return slots(prev) + (piece % numSlots_) * slotBytes_;
+}
+
+// Each verb: one wait kernel (the slots it needs), one data kernel, one
+// signal kernel (the flags it advances), in stream order.
+
+void CudaIpcTransport::send(const void* src, size_t bytes) {
+  const uint64_t k = sent_++;
+  WaitList w{};
+  addSendSlotFree(w, k);
+  if (w.n) waitFor(w);
+  kernels::cuda::copy(sendSlot(k), nullptr, src, bytes, stream_);
+  signal({{&header(rank_)->posted.value}, {k + 1}, 1});
+}
+
+void CudaIpcTransport::recv(void* dst, size_t bytes) {
+  const uint64_t k = received_++;
+  WaitList w{};
+  addRecvArrived(w, k);
+  waitFor(w);
+  kernels::cuda::copy(dst, nullptr, recvSlot(k), bytes, stream_);
+  signal({{&header(rank_)->consumed.value}, {k + 1}, 1});
+}
+
+void CudaIpcTransport::recvCopySend(void* dst, size_t bytes) {
+  const uint64_t kr = received_++, ks = sent_++;
+  WaitList w{};
+  addRecvArrived(w, kr);
+  addSendSlotFree(w, ks);
+  waitFor(w);
+  kernels::cuda::copy(dst, sendSlot(ks), recvSlot(kr), bytes, stream_);
+  signal({{&header(rank_)->consumed.value, &header(rank_)->posted.value}, {kr + 1, ks + 1}, 2});
+}
+
+void CudaIpcTransport::sendPartial(const kernels::ReduceSpec& spec, const void* local,
+                                   size_t count) {
+  const uint64_t k = sent_++;
+  WaitList w{};
+  addSendSlotFree(w, k);
+  if (w.n) waitFor(w);
+  kernels::cuda::toPartial(spec, sendSlot(k), local, count, stream_);
+  signal({{&header(rank_)->posted.value}, {k + 1}, 1});
+}
+
+void CudaIpcTransport::recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+                                      size_t count) {
+  const uint64_t kr = received_++, ks = sent_++;
+  WaitList w{};
+  addRecvArrived(w, kr);
+  addSendSlotFree(w, ks);
+  waitFor(w);
+  kernels::cuda::reducePartial(spec, sendSlot(ks), recvSlot(kr), local, count, stream_);
+  signal({{&header(rank_)->consumed.value, &header(rank_)->posted.value}, {kr + 1, ks + 1}, 2});
+}
+
+void CudaIpcTransport::recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+                                      void* dst, size_t count) {
+  const uint64_t k = received_++;
+  WaitList w{};
+  addRecvArrived(w, k);
+  waitFor(w);
+  kernels::cuda::reduceFinal(spec, dst, nullptr, recvSlot(k), local, count, stream_);
+  signal({{&header(rank_)->consumed.value}, {k + 1}, 1});
+}
+
+void CudaIpcTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+                                          void* dst, size_t count) {
+  const uint64_t kr = received_++, ks = sent_++;
+  WaitList w{};
+  addRecvArrived(w, kr);
+  addSendSlotFree(w, ks);
+  waitFor(w);
+  kernels::cuda::reduceFinal(spec, dst, sendSlot(ks), recvSlot(kr), local, count, stream_);
+  signal({{&header(rank_)->consumed.value, &header(rank_)->posted.value}, {kr + 1, ks + 1}, 2});
+}
+
+void CudaIpcTransport::copy(void* dst, const void* src, size_t bytes) {
+  if (dst != src && bytes) kernels::cuda::copy(dst, nullptr, src, bytes, stream_);
+}
+
+void CudaIpcTransport::reduceN(const kernels::ReduceSpec& spec, void* dst,
+                               const void* const* src, int nsrc, size_t count) {
+  kernels::cuda::reduceN(spec, dst, src, nsrc, count, stream_);
+}
+
+void* CudaIpcTransport::stagingBuffer() {
+  return staging(rank_) + ((rounds_ + 1) % 2) * stagingBytes_;
+}
+
+void CudaIpcTransport::exchange() {
+  ++rounds_;
+  signal({{&header(rank_)->staged.value}, {rounds_}, 1});
+  WaitList w{};
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k == rank_) continue;
+    w.flag[w.n] = &header(k)->staged.value;
+    w.peerFailed[w.n] = &header(k)->failed.value;
+    w.target[w.n] = rounds_;
+    w.peer[w.n] = k;
+    ++w.n;
+  }
+  waitFor(w);
+}
+
+const void* CudaIpcTransport::peerBuffer(int rank) const {
+  return staging(rank) + (rounds_ % 2) * stagingBytes_;
+}
+
+} // namespace ipc
+} // namespace pyddp
+
+#endif // PYDDP_WITH_CUDA

@@ -1,0 +1,221 @@
+"""pyddp's main job: train a small CNN on handwritten digits across CPU processes.
+
+    torchrun --nproc-per-node 2 examples/train.py     # torchrun starts the ranks
+    python examples/train.py                          # starts 2 ranks itself
+    python examples/train.py --nproc 1                # one process, no DDP: the reference
+
+The data set is scikit-learn's 8x8 digits (1797 images, shipped with
+scikit-learn, no download). Every rank takes its share of each global batch,
+``pyddp.DistributedDataParallel`` averages the gradients, so N ranks train
+exactly the model one process would with the same global batch. Rank 0 shows
+a progress bar and, per epoch, the loss, test accuracy, samples/s, and the
+share of step time spent waiting for gradient all-reduces at the end of
+backward (communication that backward did not hide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+JOIN_TIMEOUT_S = 300
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 convolutions, a pool and two linear layers (about 75k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def load_digits(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(train images, train labels, test images, test labels); the same 20% held out everywhere."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    data = sklearn_digits()
+    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    test, train = order[: len(order) // 5], order[len(order) // 5:]
+    return images[train], labels[train], images[test], labels[test]
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
+    """Trains on this rank; returns the final test accuracy (the same on every rank)."""
+    import pyddp
+    from pyddp.ddp import DistributedDataParallel
+
+    torch.set_num_threads(1)  # one core per rank on a small machine
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_digits(args.seed)
+    model: nn.Module = DigitsCNN()
+    ddp: Optional[DistributedDataParallel] = None
+    if world_size > 1:
+        ddp = DistributedDataParallel(model)
+        model = ddp
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.batch_size % world_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the "
+                         f"{world_size} ranks")
+    local_batch = args.batch_size // world_size
+    steps = len(y_train) // args.batch_size
+    show = rank == 0
+    if show:
+        print(f"digits: {len(y_train)} train / {len(y_test)} test images; {world_size} "
+              f"rank(s), global batch {args.batch_size} ({local_batch} per rank), "
+              f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
+    bar = _progress(show, args.epochs * steps)
+    accuracy = 0.0
+    for epoch in range(args.epochs):
+        # Every rank draws the same permutation and takes its slice of each global batch.
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(
+            args.seed * 1000 + epoch))
+        model.train()
+        loss_sum, comm_wait, start = 0.0, 0.0, time.perf_counter()
+        for step in range(steps):
+            batch = order[step * args.batch_size:(step + 1) * args.batch_size]
+            mine = batch[rank * local_batch:(rank + 1) * local_batch]
+            loss = F.cross_entropy(model(x_train[mine]), y_train[mine])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if ddp is not None:
+                comm_wait += ddp.last_comm_wait_seconds
+            loss_sum += loss.item()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
+        elapsed = time.perf_counter() - start
+        mean_loss = _mean_over_ranks(loss_sum / steps, world_size)
+        accuracy = _test_accuracy(model, x_test, y_test, rank, world_size)
+        if show:
+            line = (f"epoch {epoch + 1:2d}/{args.epochs}  loss {mean_loss:.4f}  "
+                    f"test accuracy {100 * accuracy:5.2f}%  "
+                    f"{steps * args.batch_size / elapsed:8.0f} samples/s")
+            if ddp is not None:
+                line += f"  waiting on communication {100 * comm_wait / elapsed:4.1f}% of step time"
+            _write(bar, line)
+    if bar is not None:
+        bar.close()
+    if show:
+        print(f"final test accuracy: {100 * accuracy:.2f}% ({world_size} rank(s))", flush=True)
+    if world_size > 1:
+        pyddp.destroy_process_group()
+    return accuracy
+
+
+def _test_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int,
+                   world_size: int) -> float:
+    """Each rank scores its slice of the test set; the counts are summed over ranks."""
+    model.eval()
+    with torch.no_grad():
+        mine = slice(rank, len(y), world_size)
+        correct = (model(x[mine]).argmax(1) == y[mine]).sum().to(torch.float64)
+    return _sum_over_ranks(correct, world_size) / len(y)
+
+
+def _sum_over_ranks(value: torch.Tensor, world_size: int) -> float:
+    if world_size > 1:
+        import pyddp
+
+        value = value.reshape(1).clone()
+        pyddp.all_reduce(value)
+    return float(value.sum())
+
+
+def _mean_over_ranks(value: float, world_size: int) -> float:
+    return _sum_over_ranks(torch.tensor(value, dtype=torch.float64), world_size) / world_size
+
+
+def _progress(show: bool, total: int):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+
+
+def _write(bar, line: str) -> None:
+    if bar is None:
+        print(line, flush=True)
+    else:
+        bar.write(line)
+
+
+def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace
+                  ) -> None:
+    import pyddp
+
+    pyddp.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
+    train(rank, world_size, args)
+
+
+def _launch(world_size: int, args: argparse.Namespace) -> int:
+    """Starts ``world_size`` ranks that meet through a file:// store; their worst exit code."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pyddp-train-") as tmp:
+        init_method = "file://" + os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_spawned_rank, args=(r, world_size, init_method, args))
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            # A failed rank makes its peers fail within the group timeout;
+            # stop waiting for the rest as soon as one has failed.
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    codes: List[int] = [p.exitcode or 0 for p in procs]
+    return max(codes, key=abs)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to start when not run by torchrun (default 2; 1 trains "
+                             "in this process without DDP)")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        import pyddp
+
+        pyddp.init_process_group("shm")  # env:// from torchrun's variables
+        train(pyddp.get_rank(), pyddp.get_world_size(), args)
+        return 0
+    if args.nproc == 1:
+        train(0, 1, args)
+        return 0
+    return _launch(args.nproc, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""DDP benchmark: training steps of a ~25M-parameter MLP on spawned CPU ranks.
+
+    python -m pyddp.bench.ddp [--world-size 2] [--rounds 3] [--steps 8]
+
+Times, in one run and on the same ranks, three ways of taking a training step
+(forward, backward, SGD step) with the same per-rank work:
+
+- ``no communication``: the bare model, the baseline;
+- ``pyddp DDP (shm)``: ``pyddp.DistributedDataParallel`` over a pyddp group;
+- ``torch DDP (gloo)``: ``torch.nn.parallel.DistributedDataParallel`` over gloo.
+
+The communication overhead of a DDP is its step time minus the baseline's.
+Every round times each variant once, in an order that rotates between rounds,
+so that drifts of a shared machine hit them alike. A round's step time is the
+slowest rank's mean; an overhead is taken within a round (variant minus
+baseline, measured seconds apart) and the figures are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_module
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+VARIANTS = ("no communication", "pyddp DDP (shm)", "torch DDP (gloo)")
+JOIN_SECONDS = 30.0
+STARTUP_SECONDS = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options, for ``python -m pyddp.bench ddp`` or this module's own CLI."""
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default: 2)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="rounds of every variant; figures are medians (default: 7)")
+    parser.add_argument("--steps", type=int, default=4,
+                        help="timed training steps per variant and round (default: 4)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps per variant before the first round (default: 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank (default: 32)")
+    parser.add_argument("--width", type=int, default=2048,
+                        help="hidden width of the MLP (default: 2048, about 25M parameters)")
+    parser.add_argument("--layers", type=int, default=5,
+                        help="hidden width x width layers (default: 5)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="bucket cap for both DDPs (default: torch's, 25 MiB)")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="gradient_as_bucket_view=True for both DDPs")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective may take, and the run may go without "
+                             "progress, before it is stopped (default: 300)")
+
+
+class MLP(nn.Module):
+    """width/2 inputs -> ``layers`` hidden layers of ``width`` -> width/2 outputs."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        dims = [width // 2] + [width] * (layers + 1) + [width // 2]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmark and prints its table; 1 if a rank failed."""
+    n_params = sum(p.numel() for p in MLP(args.width, args.layers).parameters())
+    print(f"# pyddp.bench ddp: MLP of {n_params / 1e6:.1f}M parameters "
+          f"({n_params * 4 / 2**20:.0f} MiB of float32 gradients), {args.world_size} ranks, "
+          f"batch {args.batch_size} per rank, {args.rounds} rounds x {args.steps} steps, "
+          f"bucket_cap_mb={args.bucket_cap_mb or 'default'}, "
+          f"gradient_as_bucket_view={args.gradient_as_bucket_view}", flush=True)
+    try:
+        report = _run(args)
+    except RuntimeError as error:
+        print(f"pyddp.bench ddp: {error}", file=sys.stderr)
+        return 1
+    print(_render(report))
+    return 0
+
+
+def _render(report: Dict[str, object]) -> str:
+    steps: Dict[str, List[float]] = report["step_s"]  # type: ignore[assignment]
+    base = steps[VARIANTS[0]]
+    overhead = {name: statistics.median(v - b for v, b in zip(steps[name], base))
+                for name in VARIANTS[1:]}
+    lines = [f"{'variant':<20} {'step (ms)':>10} {'overhead (ms)':>14} {'overhead / torch':>17}"]
+    for name in VARIANTS:
+        row = f"{name:<20} {1e3 * statistics.median(steps[name]):>10.1f} "
+        if name == VARIANTS[0]:
+            row += f"{'-':>14} {'-':>17}"
+        else:
+            row += (f"{1e3 * overhead[name]:>14.1f} "
+                    f"{overhead[name] / overhead[VARIANTS[2]]:>16.2f}x")
+        lines.append(row)
+    pyddp_step = statistics.median(steps[VARIANTS[1]])
+    wait = report["pyddp_wait_s"]
+    lines.append(f"pyddp: {1e3 * wait:.1f} ms per step waiting for all-reduces at the end of "
+                 f"backward ({100 * wait / pyddp_step:.0f}% of its step)")
+    lines.append(f"pyddp parameters bitwise identical on every rank: "
+                 f"{'yes' if report['identical'] else 'NO'}")
+    ours, theirs = overhead[VARIANTS[1]], overhead[VARIANTS[2]]
+    lines.append(f"target, pyddp overhead <= half of torch DDP + gloo's: "
+                 f"{'met' if ours <= 0.5 * theirs else 'not met'} "
+                 f"({1e3 * ours:.1f} ms vs {1e3 * theirs:.1f} ms)")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> Dict[str, object]:
+    """Spawns the ranks, returns rank 0's report; every rank is joined or killed."""
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pyddp-bench-ddp-") as store_dir:
+        procs = [ctx.Process(target=_rank_main, args=(rank, args, store_dir, messages))
+                 for rank in range(args.world_size)]
+        for proc in procs:
+            proc.start()
+        try:
+            return _collect(procs, messages, args.timeout)
+        finally:
+            deadline = time.monotonic() + JOIN_SECONDS
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            messages.close()
+
+
+def _collect(procs, messages, stall_seconds: float) -> Dict[str, object]:
+    report: Optional[Dict[str, object]] = None
+    done = set()
+    deadline = time.monotonic() + STARTUP_SECONDS + stall_seconds
+    while len(done) < len(procs):
+        try:
+            kind, rank, payload = messages.get(timeout=0.5)
+        except queue_module.Empty:
+            for rank, proc in enumerate(procs):
+                if rank not in done and proc.exitcode is not None:
+                    raise RuntimeError(f"rank {rank} exited with code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no progress for {stall_seconds:.0f} s; stopping the run")
+            continue
+        deadline = time.monotonic() + stall_seconds
+        if kind == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        if kind == "progress":
+            print(f"# {payload}", flush=True)
+        elif kind == "done":
+            done.add(rank)
+            if rank == 0:
+                report = payload
+    if report is None:
+        raise RuntimeError("rank 0 finished without a report")
+    return report
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store_dir: str, messages) -> None:
+    try:
+        report = _measure(rank, args, store_dir, messages)
+        messages.put(("done", rank, report))
+    except Exception:
+        messages.put(("error", rank, traceback.format_exc()))
+        sys.exit(1)
+
+
+def _measure(rank: int, args: argparse.Namespace, store_dir: str, messages
+             ) -> Dict[str, object]:
+    import pyddp
+    from pyddp.ddp import DistributedDataParallel
+
+    torch.set_num_threads(1)  # one core per rank
+    n = args.world_size
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "gloo"), n),
+                            rank=rank, world_size=n, timeout=timeout)
+    group = pyddp.init_process_group(
+        "shm", store=dist.FileStore(os.path.join(store_dir, "pyddp"), n), rank=rank,
+        world_size=n, timeout=timeout)
+    try:
+        ddp_options = dict(bucket_cap_mb=args.bucket_cap_mb,
+                           gradient_as_bucket_view=args.gradient_as_bucket_view)
+        torch.manual_seed(0)
+        models = {
+            VARIANTS[0]: MLP(args.width, args.layers),
+            VARIANTS[1]: DistributedDataParallel(MLP(args.width, args.layers), **ddp_options),
+            VARIANTS[2]: torch.nn.parallel.DistributedDataParallel(
+                MLP(args.width, args.layers), **ddp_options),
+        }
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch_size, args.width // 2, generator=gen)
+        y = torch.randn(args.batch_size, args.width // 2, generator=gen)
+        optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-4)
+                      for name, m in models.items()}
+
+        def step(name: str) -> None:
+            loss = nn.functional.mse_loss(models[name](x), y)
+            loss.backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+
+        for name in VARIANTS:
+            for _ in range(args.warmup):
+                step(name)
+        samples: Dict[str, List[float]] = {name: [] for name in VARIANTS}
+        waits: List[float] = []
+        for round_ in range(args.rounds):
+            for k in range(len(VARIANTS)):
+                name = VARIANTS[(round_ + k) % len(VARIANTS)]
+                dist.barrier()
+                wait = 0.0
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step(name)
+                    if name == VARIANTS[1]:
+                        wait += models[name].last_comm_wait_seconds
+                seconds = _max_over_ranks((time.perf_counter() - start) / args.steps)
+                samples[name].append(seconds)
+                if name == VARIANTS[1]:
+                    waits.append(_max_over_ranks(wait / args.steps))
+            if rank == 0:
+                times = ", ".join(f"{name} {1e3 * samples[name][-1]:.1f}" for name in VARIANTS)
+                messages.put(("progress", rank, f"round {round_ + 1}/{args.rounds} (ms/step): "
+                              f"{times}"))
+        identical = _identical_across_ranks(models[VARIANTS[1]].module, n)
+        return {"step_s": samples, "pyddp_wait_s": statistics.median(waits),
+                "identical": identical}
+    finally:
+        pyddp.destroy_process_group(group)
+        dist.destroy_process_group()
+
+
+def _max_over_ranks(value: float) -> float:
+    buf = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return float(buf.item())
+
+
+def _identical_across_ranks(model: nn.Module, world_size: int) -> bool:
+    """Whether every rank holds bitwise the same parameters (their bytes compared via gloo)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.int32)
+    lowest, highest = flat.clone(), flat.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lowest, highest))
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m pyddp.bench.ddp",
+                                      description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

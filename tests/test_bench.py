@@ -1,0 +1,439 @@
+"""Tests of the benchmark CLI (python -m pyddp.bench): arithmetic, references, outputs, launch.
+
+The pure parts (busbw factors, sizes, argument checks, the reports) run in
+this process. The collectives' local references are checked against a
+collective simulated on every rank's actual buffers. A few real runs (spawned
+ranks, mpirun when it is installed, torchrun) check that every op comes out
+with no wrong element for every backend that can run here, that the others
+are listed as skipped with their reason, and that the JSON, CSV and plot files
+are written. Speed is never asserted.
+"""
+
+import csv
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import pyddp.bench.cli as cli
+from pyddp.bench.backends import BACKENDS, mpi_launchable
+from pyddp.bench.metrics import Result, Skipped, busbw_factor
+from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
+from pyddp.bench.report import render, summary
+from pyddp.bench.sizes import format_size, parse_size, size_sweep
+from pyddp.bench.worker import Launch, launched_rank
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
+DEEPSPEED_SEGMENT = "deepspeed_allreduce_buffer"
+RUN_TIMEOUT = 240
+
+
+# --- arithmetic -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size, expected", [
+    (1, {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 1.0}),
+    (2, {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}),
+    (4, {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0}),
+    (8, {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0}),
+])
+def test_busbw_factors_match_nccl_tests(world_size, expected):
+    assert {op: busbw_factor(op, world_size) for op in expected} == expected
+
+
+def test_busbw_factor_rejects_unknown_op_and_world():
+    with pytest.raises(ValueError, match="all_to_all"):
+        busbw_factor("all_to_all", 2)
+    with pytest.raises(ValueError, match="positive"):
+        busbw_factor("all_reduce", 0)
+
+
+def test_result_bandwidths_from_timing():
+    # 1 MiB all-reduced 10 times in 10 ms on 4 ranks: 1 ms a call,
+    # algbw = 1048576 B / 1 ms = 1.048576 GB/s, busbw = algbw * 2 * 3 / 4.
+    r = Result.from_timing("all_reduce", "x", "x lib", "cpu", 4, 1 << 20, 1 << 18, "float32",
+                           "sum", -1, 10, 0.010, 0)
+    assert r.time_us == pytest.approx(1000.0)
+    assert r.algbw_gbps == pytest.approx(1.048576)
+    assert r.busbw_gbps == pytest.approx(1.048576 * 1.5)
+    g = Result.from_timing("all_gather", "x", "x lib", "cpu", 2, 4000, 1000, "float32", "none",
+                           -1, 4, 0.002, None)
+    assert g.algbw_gbps == pytest.approx(4000 / 0.0005 / 1e9)
+    assert g.busbw_gbps == pytest.approx(g.algbw_gbps / 2)
+
+
+def test_sizes():
+    assert [parse_size(t) for t in ("4096", "4K", "64m", "1G")] == [4096, 4096, 64 << 20, 1 << 30]
+    assert [format_size(n) for n in (4096, 64 << 20, 1 << 30, 100)] == ["4K", "64M", "1G", "100"]
+    assert size_sweep(4 << 10, 64 << 20, 16) == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+    with pytest.raises(ValueError):
+        parse_size("4KB")
+    with pytest.raises(ValueError):
+        size_sweep(8, 4, 2)
+
+
+# --- the collectives' references against a simulated collective -----------------------------
+
+class _Recorder:
+    """A backend whose bound calls do nothing: the test performs the collective itself."""
+
+    def all_reduce(self, *buffers_and_arguments):
+        return lambda: None
+
+    all_gather = broadcast = reduce_scatter = all_reduce
+
+
+def _reduce(stacked: torch.Tensor, redop: str) -> torch.Tensor:
+    if redop == "sum":
+        return stacked.sum(0)
+    if redop == "prod":
+        return stacked.prod(0)
+    if redop == "min":
+        return stacked.min(0).values
+    if redop == "max":
+        return stacked.max(0).values
+    return stacked.sum(0) / stacked.shape[0]
+
+
+def _simulate(op: str, cases: list, redop: str, root: int) -> None:
+    """Does ``op`` across the ranks' actual buffers, as the library under test should."""
+    if op == "all_reduce":
+        result = _reduce(torch.stack([c.tensor.double() for c in cases]), redop)
+        for c in cases:
+            c.tensor.copy_(result)
+    elif op == "broadcast":
+        for c in cases:
+            c.tensor.copy_(cases[root].tensor)
+    elif op == "all_gather":
+        gathered = torch.cat([c.input for c in cases])
+        for c in cases:
+            c.output.copy_(gathered)
+    else:
+        result = _reduce(torch.stack([c.input.double() for c in cases]), redop)
+        for rank, c in enumerate(cases):
+            block = c.output.numel()
+            c.output.copy_(result[rank * block:(rank + 1) * block])
+
+
+def _output(op: str, case) -> torch.Tensor:
+    return case.tensor if op in ("all_reduce", "broadcast") else case.output
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8,
+                                   torch.uint8, torch.int64])
+def test_reference_matches_simulated_collective(op, dtype):
+    world_size, root, nbytes = 3, 2, 3 * 1000 * dtype.itemsize
+    redops = REDOPS if op in REDUCING_OPS else ("sum",)
+    for redop in redops:
+        if redop == "avg" and not dtype.is_floating_point:
+            continue
+        cases = [OPS[op](nbytes, dtype, torch.device("cpu"), r, world_size, redop, root)
+                 for r in range(world_size)]
+        for c in cases:
+            c.bind(_Recorder())()
+        # Before the collective, ranks other than broadcast's root hold wrong outputs.
+        before = [c.count_wrong() for c in cases]
+        assert all(w > 0 for r, w in enumerate(before) if not (op == "broadcast" and r == root))
+        _simulate(op, cases, redop, root)
+        assert [c.count_wrong() for c in cases] == [0, 0, 0], (op, dtype, redop)
+        out = _output(op, cases[1])
+        out[7] = SENTINEL
+        assert cases[1].count_wrong() == 1
+        for c in cases:
+            c.reset()
+        _simulate(op, cases, redop, root)
+        assert [c.count_wrong() for c in cases] == [0, 0, 0]
+
+
+def test_case_sizes_follow_nccl_tests():
+    cpu = torch.device("cpu")
+    ar = OPS["all_reduce"](4096, torch.float32, cpu, 0, 4, "sum", 0)
+    assert (ar.count, ar.nbytes) == (1024, 4096)
+    ag = OPS["all_gather"](4096, torch.float32, cpu, 1, 4, "sum", 0)
+    assert (ag.count, ag.nbytes, ag.input.numel()) == (1024, 4096, 256)
+    rs = OPS["reduce_scatter"](4000, torch.float32, cpu, 1, 3, "sum", 0)
+    assert (rs.count, rs.nbytes, rs.output.numel()) == (999, 3996, 333)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["-b", "64M", "-e", "4K"], "-b/-e/-f"),
+    (["-f", "1"], "at least 2"),
+    (["-b", "2"], "less than one float32"),
+    (["--ops", "all_reduce,all_to_all"], "choose 'all' or a comma list"),
+    (["--backends", "pyddp,horovod"], "choose 'all' or a comma list"),
+    (["-d", "int8", "--world-size", "30"], "does not hold exactly"),
+    (["-o", "avg", "-d", "int32"], "avg needs a floating-point"),
+    (["--ops", "broadcast", "--root", "2"], "--root 2 is not a rank"),
+    (["--iters", "0"], "at least 1"),
+    (["--timeout", "-1"], "must be positive"),
+    (["--dtype", "complex64"], "invalid choice"),
+])
+def test_bad_arguments_fail_clearly(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_options(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_world_size_must_match_torchrun(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_options(["--world-size", "3"], Launch(0, 2, 0, 2, False))
+    assert "differs from torchrun's WORLD_SIZE 2" in capsys.readouterr().err
+    assert cli.parse_options([], Launch(1, 4, 1, 4, False)).plan.world_size == 4
+
+
+def test_all_expands_and_defaults():
+    options = cli.parse_options(["--ops", "all", "--backends", "all"])
+    assert options.plan.ops == list(OPS)
+    assert options.plan.backends == list(BACKENDS)
+    assert cli.parse_options(["--baseline", "mpi"]).baselines == {"cpu": "mpi", "cuda": "mpi"}
+    plan = cli.parse_options([]).plan
+    assert (plan.world_size, plan.ops, plan.sizes[0], plan.sizes[-1]) == (
+        2, ["all_reduce"], 4096, 64 << 20)
+
+
+def test_launched_rank_reads_torchrun_and_mpirun():
+    assert launched_rank({}) is None
+    assert launched_rank({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                          "LOCAL_WORLD_SIZE": "2"}) == Launch(1, 4, 1, 2, False)
+    assert launched_rank({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+                          "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                          "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}) == Launch(2, 3, 2, 3, True)
+
+
+def test_under_mpirun_the_tool_refuses(monkeypatch, capsys):
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert cli.main([]) == 2
+    assert "starts mpirun itself" in capsys.readouterr().err
+
+
+def test_ddp_subcommand_without_its_module(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, cli.DDP_MODULE, None)
+    assert cli.main(["ddp", "--steps", "3"]) == 2
+    assert "pyddp.bench.ddp" in capsys.readouterr().err
+
+
+def test_ddp_subcommand_hands_over_its_arguments(monkeypatch):
+    module = types.ModuleType(cli.DDP_MODULE, "A fake DDP benchmark.")
+    module.add_arguments = lambda parser: parser.add_argument("--steps", type=int, required=True)
+    module.main = lambda args: args.steps + 1
+    monkeypatch.setitem(sys.modules, cli.DDP_MODULE, module)
+    assert cli.main(["ddp", "--steps", "6"]) == 7
+    with pytest.raises(SystemExit):
+        cli.main(["ddp"])
+
+
+# --- reports ----------------------------------------------------------------------------------
+
+def _result(backend: str, size: int, time_us: float, device: str = "cpu",
+            wrong=0) -> Result:
+    return Result.from_timing("all_reduce", backend, backend, device, 2, size, size // 4,
+                              "float32", "sum", -1, 1, time_us / 1e6, wrong)
+
+
+def test_summary_is_baseline_time_over_backend_time():
+    results = [_result("gloo", 4096, 100.0), _result("pyddp", 4096, 25.0),
+               _result("gloo", 65536, 300.0), _result("pyddp", 65536, 400.0),
+               _result("mpi", 4096, 50.0)]
+    text = summary(results, ["pyddp", "gloo", "mpi"], "gloo")
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
+            if not line.startswith("#")}
+    assert rows["4096"] == ["100.0", "4.00x", "2.00x"]
+    assert rows["65536"] == ["300.0", "0.75x", "-"]
+    assert summary(results, ["pyddp", "mpi"], "nccl") is None
+
+
+def test_render_lists_skips_and_unchecked_runs():
+    skipped = [Skipped("nccl", None, "no CUDA device"),
+               Skipped("deepspeed", "all_gather", "all_reduce only")]
+    text = render([_result("gloo", 64, 10.0, wrong=None)], skipped, ["all_reduce"],
+                  ["gloo", "nccl"], {"cpu": "gloo", "cuda": "nccl"}, checked=False)
+    assert "# skipped: nccl: no CUDA device" in text
+    assert "# skipped: deepspeed all_gather: all_reduce only" in text
+    assert "N/A" in text and "not checked" in text
+    failed = render([_result("gloo", 64, 10.0, wrong=3)], [], ["all_reduce"], ["gloo"],
+                    {"cpu": "gloo"}, checked=True)
+    assert failed.endswith("# wrong elements: 3 FAILED")
+
+
+class _FakeBar:
+    """Stands in for tqdm.tqdm: records what the progress bar is told."""
+
+    def __init__(self, total, **kwargs):
+        self.total, self.n, self.closed, self.kwargs = total, 0, False, kwargs
+
+    def refresh(self):
+        pass
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfix = text
+
+    def update(self):
+        self.n += 1
+
+    def close(self):
+        self.closed = True
+
+
+def test_progress_total_shrinks_with_skips(monkeypatch):
+    fake = types.ModuleType("tqdm")
+    fake.__spec__ = importlib.machinery.ModuleSpec("tqdm", None)
+    fake.tqdm = _FakeBar
+    monkeypatch.setitem(sys.modules, "tqdm", fake)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    plan = cli.parse_options(["-b", "4K", "-e", "64K", "-f", "4", "--ops", "all_reduce,broadcast",
+                              "--backends", "pyddp,gloo,deepspeed"]).plan
+    progress = cli._Progress(plan, quiet=False)
+    bar = progress._bar
+    assert bar.total == 3 * 2 * 3 and bar.kwargs["file"] is sys.stderr
+    progress(Skipped("deepspeed", "broadcast", "all_reduce only"))
+    progress(Skipped("gloo", None, "gone"))
+    progress(_result("pyddp", 4096, 1.0))
+    assert (bar.total, bar.n, bar.postfix) == (18 - 3 - 6, 1, "all_reduce pyddp 4K")
+    progress.close()
+    assert bar.closed
+    assert cli._Progress(plan, quiet=True)._bar is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._Progress(plan, quiet=False)._bar is None
+
+
+# --- real runs --------------------------------------------------------------------------------
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _deepspeed_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(DEEPSPEED_SEGMENT)}
+
+
+def _by_backend(results: list[dict]) -> dict[str, set[tuple[str, int]]]:
+    found: dict[str, set[tuple[str, int]]] = {}
+    for r in results:
+        found.setdefault(r["backend"], set()).add((r["op"], r["size"]))
+    return found
+
+
+def _skips(document: dict) -> dict[tuple[str, str], str]:
+    return {(s["backend"], s["op"] or "*"): s["reason"] for s in document["skipped"]}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One spawned run of every op on 2 ranks, every backend, with every output file."""
+    out = tmp_path_factory.mktemp("bench")
+    paths = {kind: str(out / f"run.{kind}") for kind in ("json", "csv", "png")}
+    before = _deepspeed_segments()
+    argv = ["--world-size", "2", "-b", "64", "-e", "4K", "-f", "64", "--ops", "all",
+            "--backends", "all", "--iters", "3", "--warmup", "1", "--trials", "2", "--quiet",
+            "--json", paths["json"], "--csv", paths["csv"]]
+    if _installed("matplotlib"):
+        argv += ["--plot", paths["png"]]
+    process = subprocess.run([sys.executable, "-m", "pyddp.bench", *argv], cwd=REPO,
+                             env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                             text=True, timeout=RUN_TIMEOUT)
+    with open(paths["json"], encoding="utf-8") as f:
+        document = json.load(f)
+    return process, document, paths, before
+
+
+def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
+    process, document, _, _ = cpu_run
+    assert process.returncode == 0, process.stderr
+    assert "# wrong elements: 0 OK" in process.stdout
+    assert all(r["wrong"] == 0 for r in document["results"])
+    points = {(op, size) for op in ALL_OPS for size in (64, 4096)}
+    found, skips = _by_backend(document["results"]), _skips(document)
+    assert found["pyddp"] == points and found["gloo"] == points
+    mpi_reason = mpi_launchable()
+    if mpi_reason is None:
+        assert found["mpi"] == points
+    else:
+        assert skips[("mpi", "*")] == mpi_reason
+    if _installed("deepspeed"):
+        assert found["deepspeed"] == {("all_reduce", 64), ("all_reduce", 4096)}
+        for op in ("all_gather", "broadcast", "reduce_scatter"):
+            assert "all_reduce only" in skips[("deepspeed", op)]
+    else:
+        assert skips[("deepspeed", "*")] == "deepspeed is not installed"
+    for gpu in ("nccl", "pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl"):
+        if torch.cuda.device_count() < 2:
+            assert skips[(gpu, "*")].startswith(
+                "no CUDA device" if not torch.cuda.is_available() else "needs 2 CUDA devices")
+            assert f"# skipped: {gpu}: " in process.stdout
+        elif gpu == "nccl":
+            assert found[gpu] == points
+
+
+def test_outputs_are_written(cpu_run):
+    process, document, paths, before = cpu_run
+    assert document["plan"]["world_size"] == 2 and document["plan"]["ops"] == list(ALL_OPS)
+    with open(paths["csv"], encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(document["results"]) > 0
+    assert [(r["backend"], r["op"], int(r["size"]), int(r["wrong"])) for r in rows] == [
+        (r["backend"], r["op"], r["size"], r["wrong"]) for r in document["results"]]
+    if _installed("matplotlib"):
+        with open(paths["png"], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(paths["png"]) > 10_000
+    assert _deepspeed_segments() <= before, "DeepSpeed's shared memory was left in /dev/shm"
+    assert "# all_reduce  backend: pyddp" in process.stdout
+    assert "# summary: all_reduce on cpu, speed-up over gloo" in process.stdout
+
+
+def _run_cli(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyddp.bench", *argv], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO, **env), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+
+
+def test_three_ranks_other_dtype_and_reduction(tmp_path):
+    path = str(tmp_path / "run.json")
+    process = _run_cli(["--world-size", "3", "-d", "bfloat16", "-o", "max", "--root", "1",
+                        "-b", "6", "-e", "6K", "-f", "1024", "--ops", "all",
+                        "--backends", "pyddp,gloo", "--iters", "2", "--warmup", "0",
+                        "--trials", "1", "--json", path], {})
+    assert process.returncode == 0, process.stderr
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)["results"]
+    assert len(results) == 2 * 4 * 2
+    assert all(r["wrong"] == 0 and r["dtype"] == "bfloat16" for r in results)
+    assert {r["redop"] for r in results if r["op"] in REDUCING_OPS} == {"max"}
+    assert {r["root"] for r in results if r["op"] == "broadcast"} == {1}
+
+
+def test_a_failing_rank_is_named():
+    process = _run_cli(["-b", "4K", "-e", "4K", "--backends", "pyddp,gloo", "--iters", "1"],
+                       {"PYDDP_SLOT_BYTES": "3"})
+    assert process.returncode == 1
+    assert "failed" in process.stderr and "rank " in process.stderr
+    assert "PYDDP_SLOT_BYTES" in process.stderr
+
+
+def test_under_torchrun_the_tool_is_the_ranks(tmp_path):
+    path = str(tmp_path / "run.json")
+    process = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "pyddp.bench", "-b", "1K", "-e", "1K", "--ops", "all_reduce,reduce_scatter",
+         "--backends", "pyddp,gloo,mpi", "--iters", "2", "--trials", "1", "--json", path],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+        timeout=RUN_TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.count("# wrong elements: 0 OK") == 1
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    assert _by_backend(document["results"]) == {
+        name: {("all_reduce", 1024), ("reduce_scatter", 1024)} for name in ("pyddp", "gloo")}
+    assert all(r["wrong"] == 0 for r in document["results"])
+    assert (mpi_launchable() or "not started by mpirun") in _skips(document)[("mpi", "*")]
