@@ -1,13 +1,37 @@
 """Builds pyddp._C against the installed torch.
 
-CppExtension when torch is a CPU build or no CUDA toolkit is found;
-CUDAExtension (CUDA and NCCL sources, when they exist) when torch is a CUDA
-build and CUDA_HOME has nvcc. PYDDP_BUILD_CUDA=0/1 forces the choice;
-DEBUG=1 builds -O0 -g with assertions.
+Which extension:
+- CUDAExtension, with the CUDA and NCCL parts, when torch is a CUDA build,
+  nvcc is found (CUDA_HOME, defaulting to /usr/local/cuda) with the same
+  CUDA major version as torch.version.cuda, and NCCL's headers and library
+  are found;
+- CppExtension (CPU only) otherwise, with a warning saying why when torch is
+  a CUDA build.
+PYDDP_BUILD_CUDA=0/1 forces the choice (1 fails loudly when a CUDA build is
+impossible). DEBUG=1 builds -O0 -g with assertions.
+
+CUDA-only sources: every .cu file, and the .cpp files whose name starts with
+"cuda" or "nccl" (csrc/backend/cuda_stream.cpp, csrc/transport/nccl.cpp,
+...). CUDA builds define PYDDP_WITH_CUDA.
+
+NCCL: the one torch itself loads, from the nvidia-nccl-cu13 wheel
+(site-packages/nvidia/nccl/{include,lib}); PYDDP_NCCL_HOME=<dir with
+include/nccl.h and lib/libnccl.so.2> overrides. The wheel ships only
+libnccl.so.2, so the link names that file, with an rpath to its directory.
+
+GPU architectures: TORCH_CUDA_ARCH_LIST when set (CI sets 9.0: H100/H200,
+the shortest build). When unset, torch's own default, which is the visible
+GPUs' architectures; with no GPU visible (where torch's default fails),
+every architecture torch itself was built for, so the extension runs on any
+GPU torch runs on, at the cost of a longer build.
 """
 
 import glob
 import os
+import re
+import subprocess
+import sys
+import warnings
 
 # cpp_extension reads CUDA_HOME when imported. /usr/local/bin/nvcc may be a
 # wrapper script that makes it guess /usr/local, whose lib has no cudart.
@@ -20,23 +44,95 @@ from torch.utils import cpp_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+CUDA_ONLY_PREFIXES = ("cuda", "nccl")
+NCCL_LIB = "libnccl.so.2"
 
 
-def want_cuda() -> bool:
+def nvcc_version(cuda_home: str):
+    """(major, minor) of CUDA_HOME's nvcc, or None when it cannot be run."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def find_nccl():
+    """(include dir, lib dir) of NCCL, or None. PYDDP_NCCL_HOME wins; else the
+    nvidia-nccl wheel beside torch or anywhere on sys.path."""
+    home = os.environ.get("PYDDP_NCCL_HOME")
+    if home:
+        candidates = [home]
+    else:
+        roots = [os.path.dirname(os.path.dirname(torch.__file__))] + sys.path
+        candidates = [os.path.join(r, "nvidia", "nccl") for r in roots if r]
+    for c in candidates:
+        inc, lib = os.path.join(c, "include"), os.path.join(c, "lib")
+        if os.path.exists(os.path.join(inc, "nccl.h")) and os.path.exists(
+                os.path.join(lib, NCCL_LIB)):
+            return inc, lib
+    if home:
+        raise RuntimeError(f"PYDDP_NCCL_HOME={home} has no include/nccl.h and lib/{NCCL_LIB}")
+    return None
+
+
+def cuda_plan():
+    """(build CUDA?, NCCL's include and lib dirs)."""
     forced = os.environ.get("PYDDP_BUILD_CUDA")
-    if forced is not None:
-        return forced == "1"
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if forced == "0":
+        return False, None
+    why = None
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU build"
+    elif cpp_extension.CUDA_HOME is None:
+        why = "no CUDA toolkit found (set CUDA_HOME to the directory with bin/nvcc)"
+    else:
+        have = nvcc_version(cpp_extension.CUDA_HOME)
+        want = int(torch.version.cuda.split(".")[0])
+        if have is None:
+            why = f"{cpp_extension.CUDA_HOME}/bin/nvcc cannot be run"
+        elif have[0] != want:
+            why = (f"nvcc in {cpp_extension.CUDA_HOME} is CUDA {have[0]}.{have[1]} but torch "
+                   f"was built with CUDA {torch.version.cuda}: set CUDA_HOME to a CUDA "
+                   f"{want}.x toolkit")
+    nccl = None if why else find_nccl()
+    if why is None and nccl is None:
+        why = ("NCCL not found: install nvidia-nccl-cu" + torch.version.cuda.split(".")[0]
+               + " or set PYDDP_NCCL_HOME")
+    if why is None:
+        return True, nccl
+    if forced == "1":
+        raise RuntimeError(f"PYDDP_BUILD_CUDA=1, but the CUDA build is impossible: {why}")
+    if torch.version.cuda is not None:
+        warnings.warn(f"pyddp: building the CPU-only extension (no CUDA, no NCCL): {why}")
+    return False, None
+
+
+def default_arch_list():
+    """TORCH_CUDA_ARCH_LIST when unset and no GPU is visible (see the docstring)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return None
+    archs = []
+    for a in torch.cuda.get_arch_list():  # "sm_90", "sm_100", "sm_90a", "compute_90"
+        m = re.fullmatch(r"sm_(\d+)(\d)(a?)", a)
+        if m:
+            archs.append(f"{m.group(1)}.{m.group(2)}{m.group(3)}")
+    return ";".join(archs) + "+PTX" if archs else "9.0"
 
 
 def sources(cuda: bool) -> list:
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    return cpp + (cu if cuda else [])
+    if cuda:
+        return cpp + cu
+    return [s for s in cpp if not os.path.basename(s).startswith(CUDA_ONLY_PREFIXES)]
 
 
 def extension():
-    cuda = want_cuda()
+    cuda, nccl = cuda_plan()
     # Python's own CFLAGS carry -DNDEBUG; a debug build wants assertions.
     opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3"]
     cxx = ["-std=c++20", *opt, "-Wall", "-Wno-unused-parameter"]
@@ -46,11 +142,17 @@ def extension():
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
     )
-    if cuda:
-        kwargs["extra_compile_args"]["nvcc"] = ["-std=c++20", *opt]
-        kwargs["define_macros"] = [("PYDDP_WITH_CUDA", "1")]
-        return cpp_extension.CUDAExtension(**kwargs)
-    return cpp_extension.CppExtension(**kwargs)
+    if not cuda:
+        return cpp_extension.CppExtension(**kwargs)
+    arch = default_arch_list()
+    if arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    nccl_inc, nccl_lib = nccl
+    kwargs["include_dirs"].append(nccl_inc)
+    kwargs["extra_compile_args"]["nvcc"] = ["-std=c++20", *opt]
+    kwargs["define_macros"] = [("PYDDP_WITH_CUDA", "1")]
+    kwargs["extra_link_args"] = [f"-L{nccl_lib}", f"-l:{NCCL_LIB}", f"-Wl,-rpath,{nccl_lib}"]
+    return cpp_extension.CUDAExtension(**kwargs)
 
 
 setup(

@@ -22,6 +22,12 @@
 
 #include <sys/stat.h>
 
+// NCCL's backend and the simulation of its ring transport.
+#include "transport/p2p_sim.h"
+#ifdef PYDDP_WITH_CUDA
+#include "backend/nccl_backend.h"
+#endif
+
 namespace py = pybind11;
 using namespace pyddp;
 
@@ -258,6 +264,101 @@ void bindTesting(py::module_& m) {
 #endif
 }
 
+// The NCCL backend (CUDA builds only), whether the build has CUDA, and the
+// CPU simulation of the NCCL ring transport's verbs (p2p_sim.h).
+void bindNccl(py::module_& m) {
+#ifdef PYDDP_WITH_CUDA
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.attr("has_cuda") = true;
+  m.def("nccl_version", [] {
+    const auto v = nccl::version();
+    return py::make_tuple(v[0], v[1], v[2]);
+  }, "The NCCL library's version: (major, minor, patch).");
+  py::class_<NcclBackend, c10d::Backend, c10::intrusive_ptr<NcclBackend>>(m, "NcclBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       int64_t timeoutMs, int device) {
+             return c10::make_intrusive<NcclBackend>(store, rank, size,
+                                                     std::chrono::milliseconds(timeoutMs), device);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
+           py::arg("device"), release)
+      .def("all_reduce", &NcclBackend::allReduce, py::arg("tensor"), py::arg("op"),
+           py::arg("async_op"), release)
+      .def("all_gather_single", &NcclBackend::allGatherSingle, py::arg("output"),
+           py::arg("input"), py::arg("async_op"), release)
+      .def("all_gather", &NcclBackend::allGatherList, py::arg("tensor_list"),
+           py::arg("tensor"), py::arg("async_op"), release)
+      .def("broadcast", &NcclBackend::broadcastFrom, py::arg("tensor"), py::arg("src"),
+           py::arg("async_op"), release)
+      .def("reduce_scatter_single", &NcclBackend::reduceScatterSingle, py::arg("output"),
+           py::arg("input"), py::arg("op"), py::arg("async_op"), release)
+      .def("barrier", &NcclBackend::barrierAll, py::arg("async_op"), release)
+      .def("shutdown", &NcclBackend::shutdown, release)
+      .def_property_readonly("device", [](const NcclBackend& b) { return b.device().index(); })
+      .def_property_readonly("timeout_ms",
+                             [](const NcclBackend& b) { return b.timeout().count(); });
+#else
+  m.attr("has_cuda") = false;
+#endif
+
+  auto t = py::reinterpret_borrow<py::module_>(m.attr("_testing"));
+  // One collective on simulated ranks (threads) through the NCCL ring
+  // transport's verbs; returns (outputs, per-rank error messages).
+  t.def("p2p_ring", [](const std::string& kind, const std::vector<at::Tensor>& inputs,
+                       const std::vector<RedOp>& ops, size_t pieceBytes, int root,
+                       bool inPlace, int repeats, bool flush, const std::vector<uint64_t>& seqs,
+                       int64_t timeoutMs) {
+    const std::map<std::string, CollectiveKind> kinds = {
+        {"all_reduce", CollectiveKind::AllReduce}, {"all_gather", CollectiveKind::AllGather},
+        {"reduce_scatter", CollectiveKind::ReduceScatter},
+        {"broadcast", CollectiveKind::Broadcast}, {"barrier", CollectiveKind::Barrier}};
+    PYDDP_CHECK_VALUE(kinds.count(kind), "unknown collective '", kind, "'");
+    const CollectiveKind k = kinds.at(kind);
+    const size_t n = inputs.size();
+    PYDDP_CHECK_VALUE(n >= 1 && ops.size() == n && (seqs.empty() || seqs.size() == n),
+                      "p2p_ring: one input and one op (and seq) per rank");
+    PYDDP_CHECK_VALUE(!inPlace || k == CollectiveKind::AllReduce,
+                      "p2p_ring: in_place is for all_reduce");
+    std::vector<at::Tensor> ins, outs;
+    std::vector<CollectiveDesc> descs(n);
+    std::vector<kernels::ReduceSpec> specs;
+    std::vector<const void*> inPtrs;
+    std::vector<void*> outPtrs;
+    for (size_t r = 0; r < n; ++r) {
+      const at::Tensor in = inputs[r].contiguous();
+      const DataType dtype = dtypeOf(in);
+      const size_t count = k == CollectiveKind::ReduceScatter ? in.numel() / n : in.numel();
+      at::Tensor out = k == CollectiveKind::AllGather
+          ? at::empty({static_cast<int64_t>(count * n)}, in.options())
+          : k == CollectiveKind::ReduceScatter
+          ? at::empty({static_cast<int64_t>(count)}, in.options())
+          : k == CollectiveKind::Broadcast || inPlace ? in.clone() : at::empty_like(in);
+      descs[r].seq = seqs.empty() ? 1 : seqs[r];
+      descs[r].count = count;
+      descs[r].kind = k;
+      descs[r].dtype = dtype;
+      descs[r].op = ops[r];
+      descs[r].root = k == CollectiveKind::Broadcast ? root : -1;
+      descs[r].algo = static_cast<int32_t>(Algo::Ring);
+      specs.push_back({dtype, ops[r], static_cast<int>(n)});
+      inPtrs.push_back(inPlace ? out.data_ptr() : in.data_ptr());
+      outPtrs.push_back(out.data_ptr());
+      ins.push_back(in);
+      outs.push_back(out);
+    }
+    std::vector<std::string> errors;
+    {
+      py::gil_scoped_release noGil;
+      errors = p2p::simulateRing(descs, specs, inPtrs, outPtrs, pieceBytes, repeats, flush,
+                                 std::chrono::milliseconds(timeoutMs));
+    }
+    return std::make_pair(outs, errors);
+  }, py::arg("kind"), py::arg("inputs"), py::arg("ops"), py::arg("piece_bytes"),
+     py::arg("root") = 0, py::arg("in_place") = false, py::arg("repeats") = 1,
+     py::arg("flush") = true, py::arg("seqs") = std::vector<uint64_t>{},
+     py::arg("timeout_ms") = 10000);
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -312,4 +413,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("transport", &RingBackend::transportName);
 
   bindTesting(m);
+  bindNccl(m);
 }
