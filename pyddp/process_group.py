@@ -181,6 +181,13 @@ class ProcessGroup:
         """What the group was created with: "shm", "auto", "cuda_ipc" or "nccl"."""
         return self._kind
 
+    def transports(self) -> Dict[str, str]:
+        """The transport serving each device type so far, e.g. {"cpu": "shm", "cuda": "cuda_ipc"}.
+
+        An "auto" group has no CUDA entry before its first CUDA collective.
+        """
+        return {device: getattr(b, "transport", "nccl") for device, b in self._backends.items()}
+
     def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
         # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
         key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)

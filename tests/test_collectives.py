@@ -62,20 +62,26 @@ def _counts(group: str) -> list:
 # --- functions run on every rank -------------------------------------------
 
 
+def _device(ctx: RankContext) -> torch.device:
+    """Where the case functions put their tensors: the CPU here; the GPU
+    tests run the same functions with ctx.state["device"] set."""
+    return ctx.state.get("device", torch.device("cpu"))
+
+
 def _all_reduce_cases(ctx: RankContext, group: str) -> None:
-    pg = ctx.groups[group]
+    pg, dev = ctx.groups[group], _device(ctx)
     for dtype, op in dtype_op_pairs():
         for count in _counts(group):
             inputs = [make_input(r, count, dtype, op) for r in range(ctx.world_size)]
             expected = reference_reduce(inputs, op)
             for rep in range(2):  # twice in a row: state carried between calls
-                t = inputs[ctx.rank].clone()
+                t = inputs[ctx.rank].to(dev, copy=True)
                 pg.all_reduce(t, op)
-                check_equal(t, expected, f"all_reduce {dtype} {op} count={count} rep={rep}")
+                check_equal(t.cpu(), expected, f"all_reduce {dtype} {op} count={count} rep={rep}")
 
 
 def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
-    pg = ctx.groups[group]
+    pg, dev = ctx.groups[group], _device(ctx)
     n = ctx.world_size
     counts = SMALL_COUNTS + ([LARGE // n] if group == "auto" else [])
     for dtype, op in dtype_op_pairs():
@@ -83,38 +89,39 @@ def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
             inputs = [make_input(r, count * n, dtype, op) for r in range(n)]
             expected = reference_reduce(inputs, op)[ctx.rank * count:(ctx.rank + 1) * count]
             for rep in range(2):
-                out = torch.full((count,), 7, dtype=dtype)
-                pg.reduce_scatter_single(out, inputs[ctx.rank].clone(), op)
-                check_equal(out, expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
+                out = torch.full((count,), 7, dtype=dtype, device=dev)
+                pg.reduce_scatter_single(out, inputs[ctx.rank].to(dev, copy=True), op)
+                check_equal(out.cpu(), expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
 
 
 def _all_gather_cases(ctx: RankContext, group: str) -> None:
-    pg = ctx.groups[group]
+    pg, dev = ctx.groups[group], _device(ctx)
     n = ctx.world_size
     for dtype in DTYPES:
         for count in _counts(group):
             inputs = [make_input(r, count, dtype) for r in range(n)]
             expected = torch.cat(inputs)
             for rep in range(2):
-                out = torch.full((n * count,), 5, dtype=dtype)
-                pg.all_gather_single(out, inputs[ctx.rank].clone())
-                check_equal(out, expected, f"all_gather_single {dtype} count={count} rep={rep}")
-                outs = [torch.full((count,), 5, dtype=dtype) for _ in range(n)]
-                pg.all_gather(outs, inputs[ctx.rank].clone())
+                out = torch.full((n * count,), 5, dtype=dtype, device=dev)
+                pg.all_gather_single(out, inputs[ctx.rank].to(dev, copy=True))
+                check_equal(out.cpu(), expected,
+                            f"all_gather_single {dtype} count={count} rep={rep}")
+                outs = [torch.full((count,), 5, dtype=dtype, device=dev) for _ in range(n)]
+                pg.all_gather(outs, inputs[ctx.rank].to(dev, copy=True))
                 for r in range(n):
-                    check_equal(outs[r], inputs[r], f"all_gather {dtype} count={count} [{r}]")
+                    check_equal(outs[r].cpu(), inputs[r], f"all_gather {dtype} count={count} [{r}]")
 
 
 def _broadcast_cases(ctx: RankContext, group: str) -> None:
-    pg = ctx.groups[group]
+    pg, dev = ctx.groups[group], _device(ctx)
     for dtype in DTYPES:
         for count in _counts(group):
             for src in range(ctx.world_size):
                 for rep in range(2):
                     expected = make_input(src, count, dtype, salt=rep)
-                    t = make_input(ctx.rank, count, dtype, salt=rep)
+                    t = make_input(ctx.rank, count, dtype, salt=rep).to(dev)
                     pg.broadcast(t, src)
-                    check_equal(t, expected, f"broadcast {dtype} count={count} src={src}")
+                    check_equal(t.cpu(), expected, f"broadcast {dtype} count={count} src={src}")
 
 
 def _aliases_and_module_functions(ctx: RankContext) -> None:
@@ -261,9 +268,10 @@ def _half_types_accumulate_in_fp32(ctx: RankContext, group: str) -> None:
     n = ctx.world_size
     for dtype in (torch.float16, torch.bfloat16):
         expected = torch.full((1001,), 2048.0 + n - 1).to(dtype)
-        t = torch.full((1001,), 2048.0 if ctx.rank == 0 else 1.0, dtype=dtype)
+        t = torch.full((1001,), 2048.0 if ctx.rank == 0 else 1.0, dtype=dtype,
+                       device=_device(ctx))
         ctx.groups[group].all_reduce(t)
-        check_equal(t, expected, f"{dtype} sum in {group}")
+        check_equal(t.cpu(), expected, f"{dtype} sum in {group}")
 
 
 def _random_floats(ctx: RankContext, group: str) -> list:
@@ -273,9 +281,9 @@ def _random_floats(ctx: RankContext, group: str) -> list:
     digests = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT):
-            t = torch.randn(70001, generator=gen).to(dtype)
+            t = torch.randn(70001, generator=gen).to(dtype).to(_device(ctx))
             ctx.groups[group].all_reduce(t, op)
-            digests.append(digest(t))
+            digests.append(digest(t.cpu()))
     return digests
 
 

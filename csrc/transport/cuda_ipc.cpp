@@ -1,5 +1,3 @@
-#ifdef PYDDP_WITH_CUDA
-
 #include "transport/cuda_ipc.h"
 
 #include <cstring>
@@ -415,4 +413,3 @@ const void* CudaIpcTransport::peerBuffer(int rank) const {
 } // namespace ipc
 } // namespace pyddp
 
-#endif // PYDDP_WITH_CUDA
