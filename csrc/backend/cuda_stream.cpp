@@ -32,6 +32,9 @@ c10d::OpType opType(CollectiveKind k) {
     case CollectiveKind::Broadcast: return c10d::OpType::BROADCAST;
     case CollectiveKind::ReduceScatter: return c10d::OpType::REDUCE_SCATTER;
     case CollectiveKind::Barrier: return c10d::OpType::BARRIER;
+    case CollectiveKind::Reduce: return c10d::OpType::REDUCE;
+    case CollectiveKind::Gather: return c10d::OpType::GATHER;
+    case CollectiveKind::Scatter: return c10d::OpType::SCATTER;
   }
   return c10d::OpType::UNKNOWN;
 }

@@ -392,6 +392,15 @@ void NcclTransport::post(const void* send, size_t sendBytes, void* recv, size_t 
   }, deadline_);
 }
 
+void NcclTransport::copy(void* dst, const void* src, size_t bytes) {
+  if (dst != src && bytes) kernels::cuda::copy(dst, nullptr, src, bytes, stream_);
+}
+
+void NcclTransport::reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,
+                            int nsrc, size_t count) {
+  kernels::cuda::reduceN(spec, dst, src, nsrc, count, stream_);
+}
+
 void NcclTransport::toPartial(const kernels::ReduceSpec& spec, void* dst, const void* src,
                               size_t count) {
   kernels::cuda::toPartial(spec, dst, src, count, stream_);

@@ -112,7 +112,7 @@ class Communicator {
 // words). So a mismatch is reported on every rank, by its next collective
 // or its timeout, and never passes silently; the mismatched collective
 // itself may have moved garbage or hung until its deadline.
-class NcclTransport final : public Transport, private p2p::P2pOps {
+class NcclTransport final : public Transport, private LocalOps, private p2p::P2pOps {
  public:
   // Results of the descriptor checks in flight: a host more than this many
   // collectives ahead of its GPU waits for the oldest check. DDP keeps a
@@ -133,6 +133,7 @@ class NcclTransport final : public Transport, private p2p::P2pOps {
   void connected() override {}
   void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
   RingLink& ring() override;
+  LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return nullptr; }
   // Aborts the communicator: this rank's kernels stop; peers waiting for
   // it fail at their deadline (NCCL does not tell them).
@@ -146,7 +147,12 @@ class NcclTransport final : public Transport, private p2p::P2pOps {
   void checkDescriptors();
 
  private:
-  // P2pOps
+  // LocalOps, on the stream
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
+               size_t count) override;
+
+  // P2pOps, on the stream
   void post(const void* send, size_t sendBytes, void* recv, size_t recvBytes) override;
   void toPartial(const kernels::ReduceSpec& spec, void* dst, const void* src,
                  size_t count) override;

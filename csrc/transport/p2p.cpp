@@ -1,5 +1,7 @@
 #include "transport/p2p.h"
 
+#include <climits>
+#include <cstring>
 #include <sstream>
 
 #include "common/check.h"
@@ -92,28 +94,31 @@ std::array<uint64_t, kDescFields> fields(const CollectiveDesc& d) {
           static_cast<uint64_t>(static_cast<uint32_t>(d.algo))};
 }
 
+// A field's value by name where it names one (every enum here is an
+// enum class, so any int32 converts), else as a number.
 std::string formatField(int field, uint64_t v) {
+  const bool fits = v <= static_cast<uint64_t>(INT32_MAX);
+  const int32_t e = static_cast<int32_t>(v);
+  const char* name = "unknown";
   switch (field) {
     case 2:
-      if (v <= static_cast<uint64_t>(CollectiveKind::Barrier)) {
-        return toString(static_cast<CollectiveKind>(v));
-      }
+      if (fits) name = toString(static_cast<CollectiveKind>(e));
       break;
     case 3:
-      if (v <= static_cast<uint64_t>(DataType::Int64)) return toString(static_cast<DataType>(v));
+      if (fits) name = toString(static_cast<DataType>(e));
       break;
     case 4:
-      if (v <= static_cast<uint64_t>(RedOp::Max)) return toString(static_cast<RedOp>(v));
+      if (fits) name = toString(static_cast<RedOp>(e));
       break;
     case 5:
       return v == 0 ? "none" : std::to_string(v - 1);
     case 6:
-      if (v <= static_cast<uint64_t>(Algo::Direct)) return toString(static_cast<Algo>(v));
+      if (fits) name = toString(static_cast<Algo>(e));
       break;
     default:
       break;
   }
-  return std::to_string(v);
+  return std::strcmp(name, "unknown") == 0 ? std::to_string(v) : name;
 }
 
 } // namespace

@@ -160,7 +160,7 @@ class SimOps final : public P2pOps {
   const int rank_;
 };
 
-class SimTransport final : public Transport {
+class SimTransport final : public Transport, private LocalOps {
  public:
   SimTransport(Network& net, int rank, size_t pieceBytes)
       : net_(net),
@@ -180,6 +180,7 @@ class SimTransport final : public Transport {
     PYDDP_CHECK_COMM(why.empty(), why);
   }
   RingLink& ring() override { return ring_; }
+  LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return nullptr; }
   void abandon(const std::string& why) override { net_.fail(why); }
   void abort() override { net_.fail(c10::str("pyddp: rank ", rank_, " aborted")); }
@@ -187,6 +188,14 @@ class SimTransport final : public Transport {
   P2pRing& p2pRing() { return ring_; }
 
  private:
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (dst != src && bytes) std::memcpy(dst, src, bytes);
+  }
+  void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
+               size_t count) override {
+    kernels::reduceN(spec, dst, src, nsrc, count);
+  }
+
   Network& net_;
   const int rank_;
   SimOps ops_;
@@ -221,6 +230,9 @@ void runRank(SimTransport& t, const CollectiveDesc& desc, const kernels::ReduceS
     case CollectiveKind::Barrier:
       algorithms::barrier(call);
       break;
+    default:
+      PYDDP_CHECK_VALUE(false, "the p2p simulation has no ring algorithm for ",
+                        toString(desc.kind));
   }
 }
 
