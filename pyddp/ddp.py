@@ -21,6 +21,7 @@ built-in communication hooks (``allreduce_hook``, ``fp16_compress_hook``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -296,7 +297,7 @@ def _all_gather_strings(group: ProcessGroup, text: str, device: torch.device) ->
 
 
 def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output (nested lists, tuples and dicts)."""
+    """The tensors in a forward's output (nested lists, tuples, dicts and dataclasses)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -305,18 +306,26 @@ def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _find_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _find_tensors(getattr(obj, f.name))
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (nested lists, tuples and dicts) moved to ``device``."""
+    """``obj`` with every tensor in it moved to ``device``; containers keep their types
+    (lists, tuples and namedtuples, dicts, dataclasses)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, tuple):
-        return tuple(_to_device(item, device) for item in obj)
+        items = [_to_device(item, device) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
         return [_to_device(item, device) for item in obj]
     if isinstance(obj, dict):
         return {key: _to_device(value, device) for key, value in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj
 
 

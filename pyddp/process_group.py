@@ -36,6 +36,8 @@ HAS_CUDA: bool = _C.has_cuda
 # "auto": shm for CPU tensors and, from the first CUDA collective on, cuda_ipc
 # when every rank shares this host and peer access works, NCCL otherwise.
 BACKENDS = ("shm", "auto", "cuda_ipc", "nccl") if HAS_CUDA else ("shm", "auto")
+# The most ranks the cuda_ipc transport serves (ipc::kMaxRanks).
+CUDA_IPC_MAX_RANKS = 16
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 # Each group gets its own store prefix, so a process can create, destroy and
@@ -65,7 +67,7 @@ class Work:
 
     def exception(self) -> Optional[BaseException]:
         """The error the collective failed with; None while running or on success."""
-        if not self._work.is_completed() or self._work.is_success():
+        if not self._work.is_completed():
             return None
         try:
             self._work.wait()
@@ -119,10 +121,13 @@ class ProcessGroup:
                         rank, world_size, prefix)
             self._backends["cuda"] = self._nccl(self._cuda_device())
 
-    def _cuda_device(self) -> torch.device:
+    def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
+        """``device`` (a CUDA tensor's), or the current CUDA device."""
         if not torch.cuda.is_available():
             raise RuntimeError(f"pyddp: rank {self._rank}: backend {self._kind!r} needs a CUDA "
                                "device, and torch sees none")
+        if device is not None and device.index is not None:
+            return device
         return torch.device("cuda", torch.cuda.current_device())
 
     def _ring(self, device: torch.device) -> "_C.RingBackend":
@@ -134,24 +139,31 @@ class ProcessGroup:
         return _C.NcclBackend(store, self._rank, self._world_size, self._options.timeout_ms,
                               device.index)
 
-    def _auto_cuda(self) -> object:
+    def _auto_cuda(self, device: torch.device) -> object:
         """The CUDA backend of an "auto" group, made at its first CUDA collective.
 
         cuda_ipc when every rank can map every peer's memory (one host, peer
-        access proven by a write and a read); NCCL otherwise. Every rank
-        sees the same refusals, so all choose alike.
+        access proven by a write and a read, at most CUDA_IPC_MAX_RANKS
+        ranks); NCCL otherwise. Every rank sees the same refusals, so all
+        choose alike.
         """
-        device = self._cuda_device()
-        try:
-            backend = self._ring(device)
+        device = self._cuda_device(device)
+        backend = None
+        if self._world_size > CUDA_IPC_MAX_RANKS:
+            why = f"cuda_ipc serves at most {CUDA_IPC_MAX_RANKS} ranks"
+        else:
+            try:
+                backend = self._ring(device)
+            except dist.DistBackendError as refusal:
+                why = "cuda_ipc cannot connect: " + str(refusal).splitlines()[0]
+        if backend is None:
+            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL, because %s", self._rank,
+                        self._world_size, self._prefix, why)
+            backend = self._nccl(device)
+        else:
             logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (every rank reached "
                         "every peer's memory on %s)", self._rank, self._world_size, self._prefix,
                         device)
-        except dist.DistBackendError as refusal:
-            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL, because cuda_ipc "
-                        "cannot connect: %s", self._rank, self._world_size, self._prefix,
-                        str(refusal).splitlines()[0])
-            backend = self._nccl(device)
         self._backends["cuda"] = backend
         return backend
 
@@ -159,7 +171,7 @@ class ProcessGroup:
         """The backend for tensors on ``t``'s device."""
         backend = self._backends.get(t.device.type)
         if backend is None and t.device.type == "cuda" and self._kind == "auto" and HAS_CUDA:
-            backend = self._auto_cuda()
+            backend = self._auto_cuda(t.device)
         if backend is None:
             serves = " and ".join(sorted(self._backends)) or "no"
             raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} is on {t.device}; this "
@@ -256,9 +268,12 @@ class ProcessGroup:
     reduce_scatter_tensor = reduce_scatter_single
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
-        """Returns once every rank has entered the barrier (on the CPU backend if any)."""
-        backend = self._backends.get("cpu") or next(iter(self._backends.values()))
-        return _finish(backend.barrier(async_op), async_op)
+        """Returns once every rank has entered the barrier, on every backend of the group
+        (so a CUDA backend's queued collectives are done too)."""
+        *others, last = self._backends.values()
+        for backend in others:
+            backend.barrier(False).wait()
+        return _finish(last.barrier(async_op), async_op)
 
     def shutdown(self) -> None:
         """Stops the group's backends; pending collectives fail."""
@@ -311,6 +326,9 @@ def new_group(
     options: Optional[RingOptions] = None,
 ) -> ProcessGroup:
     """Like init_process_group, but returns a group without making it the default."""
+    if not isinstance(backend, str):
+        raise TypeError(f"pyddp.new_group: backend must be one of {BACKENDS}, got {backend!r}; "
+                        "a pyddp group spans every rank of its store (no subgroups by ranks)")
     if backend not in BACKENDS:
         raise ValueError(f"pyddp: backend {backend!r} is not available; this build has {BACKENDS}")
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:

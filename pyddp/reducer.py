@@ -112,7 +112,7 @@ class _Bucket:
         self.views: List[Optional[torch.Tensor]] = []
         offset = 0
         for p, pack in zip(members, packed):
-            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape) if pack
+            self.views.append(_slot_view(self.buffer[offset:offset + p.numel()], p) if pack
                               else None)
             offset += p.numel() if pack else 0
         self.reduced: List[Optional[torch.Tensor]] = [None] * len(self.indices)
@@ -248,12 +248,11 @@ class Reducer:
             # gradient from earlier (no_sync, or the user's) must stay as it
             # was if no rank used the parameter, so it is reduced in a copy.
             if grad is None:
-                bucket.reduced[slot] = torch.zeros_like(param,
-                                                        memory_format=torch.contiguous_format)
+                bucket.reduced[slot] = torch.zeros_like(param)
             elif produced and grad.is_contiguous():
                 bucket.reduced[slot] = grad
             else:
-                bucket.reduced[slot] = grad.clone(memory_format=torch.contiguous_format)
+                bucket.reduced[slot] = grad.clone()
         elif grad is None:
             view.zero_()
         elif not (self._as_view and grad.data_ptr() == view.data_ptr()):
@@ -381,6 +380,24 @@ class Reducer:
                 param.grad = view.clone()
             else:
                 param.grad.copy_(view)
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether some order of ``t``'s dimensions makes it contiguous (channels_last, say)."""
+    expected = 1
+    for dim in sorted(range(t.dim()), key=t.stride):
+        if t.size(dim) != 1 and t.stride(dim) != expected:
+            return False
+        expected *= t.size(dim)
+    return True
+
+
+def _slot_view(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s slot of a bucket buffer, laid out with ``param``'s strides when they are
+    dense, as torch gives gradients (a channels_last weight gets a channels_last gradient)."""
+    if _is_dense(param):
+        return flat.as_strided(param.shape, param.stride())
+    return flat.view(param.shape)
 
 
 def _make_hook(reducer: "weakref.ref[Reducer]", index: int) -> Callable[[torch.Tensor], None]:

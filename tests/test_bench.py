@@ -21,7 +21,9 @@ import types
 import pytest
 import torch
 
+import pyddp
 import pyddp.bench.cli as cli
+from pyddp.bench import backends
 from pyddp.bench.backends import BACKENDS, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped, busbw_factor
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
@@ -366,13 +368,23 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
             assert "all_reduce only" in skips[("deepspeed", op)]
     else:
         assert skips[("deepspeed", "*")] == "deepspeed is not installed"
+    # Ranks share GPUs round-robin: with a GPU every GPU backend runs, except
+    # NCCL ones when two ranks share a GPU and NCCL is older than 2.30.
+    nccl_ok = torch.cuda.is_available() and (
+        torch.cuda.device_count() >= 2
+        or tuple(torch.cuda.nccl.version()[:2]) >= backends.NCCL_MULTI_RANK_GPU_VERSION)
     for gpu in ("nccl", "pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl"):
-        if torch.cuda.device_count() < 2:
-            assert skips[(gpu, "*")].startswith(
-                "no CUDA device" if not torch.cuda.is_available() else "needs 2 CUDA devices")
+        nccl = gpu in ("nccl", "pyddp_nccl")
+        if not torch.cuda.is_available():
+            assert skips[(gpu, "*")] == "no CUDA device"
             assert f"# skipped: {gpu}: " in process.stdout
-        elif gpu == "nccl":
-            assert found[gpu] == points
+        elif gpu.startswith("pyddp") and not pyddp._C.has_cuda:
+            assert "no 'cuda_ipc' backend" in skips[(gpu, "*")] or \
+                "no 'nccl' backend" in skips[(gpu, "*")]
+        elif nccl and not nccl_ok:
+            assert "need NCCL >= 2.30" in skips[(gpu, "*")]
+        else:
+            assert found[gpu] == points, gpu
 
 
 def test_outputs_are_written(cpu_run):

@@ -1,7 +1,8 @@
 """Collectives on 2, 3 and 4 spawned ranks against independent references.
 
 Each world size starts its ranks once (module fixture) with four groups:
-``auto`` (default settings: small all-reduces direct, large ones ring),
+``auto`` (backend "auto", default settings: small all-reduces direct,
+large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
 tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
 256-byte staging buffers, so small tensors take many rounds) and
@@ -28,15 +29,15 @@ GROUPS = ("auto", "ring", "direct", "two_shot")
 
 
 def _setup(ctx: RankContext) -> None:
-    def group(name: str, **opts) -> pyddp.ProcessGroup:
+    def group(name: str, backend: str = "shm", **opts) -> pyddp.ProcessGroup:
         options = pyddp.RingOptions()
         for key, value in opts.items():
             setattr(options, key, value)
         store = dist.FileStore(ctx.store_path(name), ctx.world_size)
-        return pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
+        return pyddp.new_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                                timeout=datetime.timedelta(seconds=60), options=options)
 
-    ctx.groups["auto"] = group("auto")
+    ctx.groups["auto"] = group("auto", backend="auto")
     ctx.groups["ring"] = group("ring", algo=pyddp._C.Algo.RING, slot_bytes=256, num_slots=2)
     # 256-byte staging buffers: direct all-reduces of more take several rounds.
     ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT, direct_max_bytes=256)
@@ -355,6 +356,14 @@ def test_broadcast_every_dtype_and_root(ranks, group):
 
 def test_aliases_and_default_group_functions(ranks):
     ranks.run(_aliases_and_module_functions)
+
+
+def _transports(ctx: RankContext) -> list:
+    return [ctx.groups[name].transports() for name in ("auto", "ring")]
+
+
+def test_cpu_tensors_travel_over_shm_in_auto_and_shm_groups(ranks):
+    assert ranks.run(_transports) == [[{"cpu": "shm"}, {"cpu": "shm"}]] * ranks.world_size
 
 
 def test_non_contiguous_tensors(ranks):

@@ -98,6 +98,30 @@ def test_bad_group_arguments():
     options.algo, options.direct_max_bytes = pyddp._C.Algo.DIRECT, 0
     with pytest.raises(ValueError, match="algo=direct .* needs direct_max_bytes"):
         options.validate()
+    options = pyddp.RingOptions()
+    options.algo, options.direct_max_bytes = pyddp._C.Algo.TWO_SHOT, 0
+    with pytest.raises(ValueError, match="algo=two_shot .* needs direct_max_bytes"):
+        options.validate()
+    # torch.distributed.new_group's first argument is a rank list; pyddp's is the backend.
+    with pytest.raises(TypeError, match="no subgroups by ranks"):
+        pyddp.new_group([0, 1])
+
+
+@pytest.mark.skipif(pyddp._C.has_cuda, reason="checks a CPU-only build")
+def test_gpu_backends_are_refused_by_a_cpu_build():
+    for backend in ("cuda_ipc", "nccl"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' is not available"):
+            pyddp.new_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(TypeError, match="built without CUDA"):
+        pyddp._C.RingBackend(dist.HashStore(), 0, 1, pyddp.RingOptions(), torch.device("cuda", 0))
+
+
+@pytest.mark.skipif(not pyddp._C.has_cuda or torch.cuda.is_available(),
+                    reason="checks a CUDA build on a machine without a GPU")
+def test_gpu_backends_without_a_gpu_fail_clearly():
+    for backend in ("cuda_ipc", "nccl"):
+        with pytest.raises(RuntimeError, match=f"backend '{backend}' needs a CUDA device"):
+            pyddp.new_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def test_bad_settings_in_environment(monkeypatch):
@@ -184,7 +208,7 @@ def _bad_inputs(ctx: RankContext) -> None:
     pg = _group(ctx, "bad-inputs")
     n, r = ctx.world_size, ctx.rank
     who = f"rank {r}"
-    _raises(TypeError, f"{who}: all_reduce: tensor is on meta.*CPU tensors only",
+    _raises(TypeError, f"{who}: all_reduce: tensor is on meta; .* serves cpu tensors",
             pg.all_reduce, torch.ones(2, device="meta"))
     _raises(ValueError, f"{who}: all_gather_single: output has {2 * n + 1} elements, "
             f"expected {2 * n}", pg.all_gather_single, torch.zeros(2 * n + 1), torch.zeros(2))

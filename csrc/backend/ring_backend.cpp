@@ -691,8 +691,12 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   PYDDP_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "rank ", rank_,
                     ": reduce_scatter: input list has ", inputs[0].size(),
                     " tensors, expected world_size = ", size_);
+  const DataType dtype = checkTensor(output, "reduce_scatter", "output");
   std::vector<at::Tensor> flat;
   for (const auto& t : inputs[0]) {
+    PYDDP_CHECK_TYPE(checkTensor(t, "reduce_scatter", "input") == dtype, "rank ", rank_,
+                     ": reduce_scatter: input dtype ", t.scalar_type(),
+                     " differs from output dtype ", output.scalar_type());
     PYDDP_CHECK_VALUE(t.numel() == output.numel(), "rank ", rank_,
                       ": reduce_scatter: an input has ", t.numel(),
                       " elements, expected ", output.numel(), " (the output's)");

@@ -104,8 +104,11 @@ def _render(report: Dict[str, object]) -> str:
         if name == VARIANTS[0]:
             row += f"{'-':>14} {'-':>17}"
         else:
-            row += (f"{1e3 * overhead[name]:>14.1f} "
-                    f"{overhead[name] / overhead[VARIANTS[2]]:>16.2f}x")
+            torch_overhead = overhead[VARIANTS[2]]
+            # On a noisy machine torch's overhead can come out <= 0: no ratio then.
+            ratio = (f"{overhead[name] / torch_overhead:>16.2f}x" if torch_overhead > 0
+                     else f"{'n/a':>17}")
+            row += f"{1e3 * overhead[name]:>14.1f} {ratio}"
         lines.append(row)
     pyddp_step = statistics.median(steps[VARIANTS[1]])
     wait = report["pyddp_wait_s"]
