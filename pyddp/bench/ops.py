@@ -148,7 +148,25 @@ class _Buffers:
         return self._expected
 
 
-class AllReduceCase:
+class _InPlaceCase:
+    """A case whose collective works in place on ``tensor``, restored from ``_input``."""
+
+    tensor: torch.Tensor
+    _input: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def reset(self) -> None:
+        self.tensor.copy_(self._input)
+
+
+class AllReduceCase(_InPlaceCase):
     """In-place all-reduce of ``reduce_input``; the result is ``reduce_reference``.
 
     The timed loop does not reset, so repeated runs re-reduce the previous
@@ -168,17 +186,6 @@ class AllReduceCase:
                 world_size: int, redop: str, root: int) -> "AllReduceCase":
         return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, redop)
 
-    @property
-    def count(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def reset(self) -> None:
-        self.tensor.copy_(self._input)
-
     def bind(self, backend: Backend) -> Callable[[], None]:
         return backend.all_reduce(self.tensor, self._redop)
 
@@ -188,7 +195,7 @@ class AllReduceCase:
         return count_mismatches(self.tensor, expected, self._redop)
 
 
-class BroadcastCase:
+class BroadcastCase(_InPlaceCase):
     """Broadcast from ``root`` of ``data_input``; every rank ends with root's input."""
 
     def __init__(self, buffers: _Buffers, count: int, root: int) -> None:
@@ -202,17 +209,6 @@ class BroadcastCase:
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
                 world_size: int, redop: str, root: int) -> "BroadcastCase":
         return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, root)
-
-    @property
-    def count(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def reset(self) -> None:
-        self.tensor.copy_(self._input)
 
     def bind(self, backend: Backend) -> Callable[[], None]:
         return backend.broadcast(self.tensor, self._root)
