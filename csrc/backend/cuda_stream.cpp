@@ -4,7 +4,9 @@
 
 #include <algorithm>
 
+#include "backend/work.h"
 #include "common/check.h"
+#include "common/cuda_device.h"
 
 namespace pyddp {
 namespace gpu {
@@ -24,38 +26,6 @@ constexpr auto kHostPollMax = std::chrono::microseconds(1000);
 // by the monitor. ProcessGroupNCCL's watchdog wakes every 100 ms; 10 ms
 // releases tensors sooner and costs nothing measurable.
 constexpr auto kMonitorPeriod = std::chrono::milliseconds(10);
-
-c10d::OpType opType(CollectiveKind k) {
-  switch (k) {
-    case CollectiveKind::AllReduce: return c10d::OpType::ALLREDUCE;
-    case CollectiveKind::AllGather: return c10d::OpType::ALLGATHER;
-    case CollectiveKind::Broadcast: return c10d::OpType::BROADCAST;
-    case CollectiveKind::ReduceScatter: return c10d::OpType::REDUCE_SCATTER;
-    case CollectiveKind::Barrier: return c10d::OpType::BARRIER;
-    case CollectiveKind::Reduce: return c10d::OpType::REDUCE;
-    case CollectiveKind::Gather: return c10d::OpType::GATHER;
-    case CollectiveKind::Scatter: return c10d::OpType::SCATTER;
-  }
-  return c10d::OpType::UNKNOWN;
-}
-
-// Makes `device` current for a destructor, which must not throw: errors
-// (say, the driver shutting down at exit) are ignored.
-class QuietDeviceGuard {
- public:
-  explicit QuietDeviceGuard(c10::DeviceIndex device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      switched_ = cudaSetDevice(device) == cudaSuccess;
-    }
-  }
-  ~QuietDeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
-  bool switched_ = false;
-};
 
 } // namespace
 
@@ -110,11 +80,13 @@ bool Event::query() const {
 // --- CudaWork ---------------------------------------------------------------
 
 CudaWork::CudaWork(int rank, CollectiveKind kind, std::string what, c10::Device device,
-                   std::vector<at::Tensor> outputs, bool hostBlocking)
-    : c10d::Work(rank, opType(kind)),
+                   std::vector<at::Tensor> outputs, bool hostBlocking,
+                   DeviceCheck deviceCheck)
+    : c10d::Work(rank, opTypeOf(kind)),
       what_(std::move(what)),
       device_(device),
       hostBlocking_(hostBlocking),
+      deviceCheck_(std::move(deviceCheck)),
       outputs_(std::move(outputs)),
       done_(device.index()),
       future_(c10::make_intrusive<c10::ivalue::Future>(
@@ -146,7 +118,10 @@ bool CudaWork::isCompleted() {
   }
   if (!enqueued_.load(std::memory_order_acquire)) return false;
   try {
-    if (done_.query()) settle(nullptr);
+    if (done_.query()) {
+      const std::string failed = deviceCheck_ ? deviceCheck_() : "";
+      settle(failed.empty() ? nullptr : commError(failed));
+    }
   } catch (const std::exception&) {
     settle(std::current_exception());
   }
@@ -184,10 +159,28 @@ void CudaWork::synchronize() {
 
 // --- CollectiveStream, StreamScope ------------------------------------------
 
+namespace {
+cudaStream_t createStream(c10::Device device) {
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = nullptr;
+  checkCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+            "creating a collective stream");
+  return stream;
+}
+} // namespace
+
 CollectiveStream::CollectiveStream(c10::Device device)
     : device_(device),
-      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index())),
+      stream_(c10::cuda::getStreamFromExternal(createStream(device), device.index())),
       callerReady_(device.index()) {}
+
+CollectiveStream::~CollectiveStream() {
+  // Whatever is still queued must not touch freed memory: let it drain.
+  // Errors are ignored (a destructor cannot report them).
+  QuietDeviceGuard guard(device_.index());
+  cudaStreamSynchronize(stream_.stream());
+  cudaStreamDestroy(stream_.stream());
+}
 
 namespace {
 // The internal stream, after making it wait for the caller's current
@@ -245,7 +238,7 @@ bool WorkMonitor::failPending(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.empty()) return false;
     failure_ = why;
-    dropCompleted();  // those succeeded
+    dropCompleted();  // those are settled already (a device check may have failed them)
     failed.swap(pending_);
   }
   const auto error = commError(why);

@@ -78,8 +78,16 @@ class CudaWork final : public c10d::Work {
   // `what` names the collective in errors ("all_reduce #3"). hostBlocking:
   // wait() also blocks the host until the collective is done, as a barrier
   // must.
+  // Reports an error that the device recorded while running the
+  // collective (e.g. a cuda_ipc wait that gave up, after which the stream
+  // drains with wrong data); "" when none. Read once the done event has
+  // fired, before the Work settles as a success; may run on any thread,
+  // also after the backend is gone, so it must own what it reads.
+  using DeviceCheck = std::function<std::string()>;
+
   CudaWork(int rank, CollectiveKind kind, std::string what, c10::Device device,
-           std::vector<at::Tensor> outputs, bool hostBlocking);
+           std::vector<at::Tensor> outputs, bool hostBlocking,
+           DeviceCheck deviceCheck = nullptr);
 
   // The collective is enqueued on `stream`: records the done event there
   // and completes the future with the outputs (CUDA-aware: consumers'
@@ -114,6 +122,7 @@ class CudaWork final : public c10d::Work {
   const std::string what_;
   const c10::Device device_;
   const bool hostBlocking_;
+  const DeviceCheck deviceCheck_;
   std::vector<at::Tensor> outputs_;
   Event done_;
   std::atomic<bool> enqueued_{false};
@@ -121,10 +130,15 @@ class CudaWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// A backend's internal stream on one device (from torch's stream pool).
+// A backend's internal stream on one device: a stream of its own, not one
+// of torch's pool (which other code shares): a collective that waits on a
+// peer must never hold up unrelated work queued behind it.
 class CollectiveStream {
  public:
   explicit CollectiveStream(c10::Device device);
+  ~CollectiveStream();
+  CollectiveStream(const CollectiveStream&) = delete;
+  CollectiveStream& operator=(const CollectiveStream&) = delete;
   c10::Device device() const { return device_; }
   const c10::cuda::CUDAStream& stream() const { return stream_; }
 

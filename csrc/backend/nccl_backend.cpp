@@ -65,7 +65,8 @@ NcclBackend::NcclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                          std::chrono::milliseconds timeout, int device)
     : c10d::Backend(rank, size),
       timeout_(timeout),
-      device_(checkedDevice(rank, size, device)) {
+      device_(checkedDevice(rank, size, device)),
+      checks_(rank, size, device_, "this NCCL process group") {
   PYDDP_CHECK_VALUE(timeout.count() > 0, "timeout must be positive, got ", timeout.count(),
                     " ms");
   std::string id;
@@ -141,55 +142,11 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::launch(CollectiveKind kind,
   return work;
 }
 
-DataType NcclBackend::checkTensor(const at::Tensor& t, const char* call,
-                                  const char* what) const {
-  PYDDP_CHECK_TYPE(t.defined(), "rank ", rank_, ": ", call, ": ", what,
-                   " is an undefined tensor");
-  PYDDP_CHECK_TYPE(t.device() == device_, "rank ", rank_, ": ", call, ": ", what, " is on ",
-                   t.device(), "; this NCCL process group runs on ", device_,
-                   " (make that device current before creating the group, or pass it)");
-  PYDDP_CHECK_TYPE(t.layout() == at::kStrided, "rank ", rank_, ": ", call, ": ", what,
-                   " has layout ", t.layout(), "; only dense (strided) tensors are supported");
-  const auto dtype = dataTypeOf(t.scalar_type());
-  PYDDP_CHECK_TYPE(dtype.has_value(), "rank ", rank_, ": ", call, ": ", what, " has dtype ",
-                   t.scalar_type(), "; supported: float32, float64, float16, bfloat16, int8, "
-                   "uint8, int32, int64");
-  return *dtype;
-}
-
-void NcclBackend::checkWritable(const at::Tensor& t, const char* call, const char* what) const {
-  PYDDP_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "rank ", rank_, ": ",
-                    call, ": ", what, " has elements that share memory (an expand()ed view?); "
-                    "results cannot be written into it");
-}
-
-DataType NcclBackend::checkSingle(const char* call, const at::Tensor& output,
-                                  const at::Tensor& input, bool outputIsWhole) const {
-  const DataType dtype = checkTensor(input, call, "input");
-  PYDDP_CHECK_TYPE(checkTensor(output, call, "output") == dtype, "rank ", rank_, ": ", call,
-                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
-                   input.scalar_type());
-  checkWritable(output, call, "output");
-  const at::Tensor& whole = outputIsWhole ? output : input;
-  const at::Tensor& block = outputIsWhole ? input : output;
-  PYDDP_CHECK_VALUE(whole.numel() == block.numel() * size_, "rank ", rank_, ": ", call, ": ",
-                    outputIsWhole ? "output" : "input", " has ", whole.numel(),
-                    " elements, expected ", block.numel() * size_, " (world_size ", size_,
-                    " x ", outputIsWhole ? "input" : "output", "'s ", block.numel(), ")");
-  return dtype;
-}
-
-void NcclBackend::checkOp(RedOp op, DataType dtype, const char* call) const {
-  PYDDP_CHECK_TYPE(op != RedOp::Avg || isFloating(dtype), "rank ", rank_, ": ", call,
-                   ": ReduceOp.AVG needs a floating-point tensor, got ", toString(dtype),
-                   "; use SUM and divide");
-}
-
 c10::intrusive_ptr<c10d::Work> NcclBackend::allReduce(const at::Tensor& tensor, RedOp op,
                                                       bool asyncOp) {
-  const DataType dtype = checkTensor(tensor, "all_reduce", "tensor");
-  checkWritable(tensor, "all_reduce", "tensor");
-  checkOp(op, dtype, "all_reduce");
+  const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
+  checks_.writable(tensor, "all_reduce", "tensor");
+  checks_.op(op, dtype, "all_reduce");
   return launch(CollectiveKind::AllReduce, {tensor}, {tensor}, false, asyncOp,
                 [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);
@@ -206,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::allReduce(const at::Tensor& tensor, 
 c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherSingle(const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             bool asyncOp) {
-  const DataType dtype = checkSingle("all_gather_single", output, input, /*outputIsWhole=*/true);
+  const DataType dtype = checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
   return launch(CollectiveKind::AllGather, {input}, {output}, false, asyncOp,
                 [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
                   const at::Tensor out = dense(output);
@@ -222,18 +179,18 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherSingle(const at::Tensor& ou
 
 c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherList(
     const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool asyncOp) {
-  const DataType dtype = checkTensor(input, "all_gather", "input");
+  const DataType dtype = checks_.tensor(input, "all_gather", "input");
   PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "rank ", rank_,
                     ": all_gather: tensor_list has ", outputs.size(),
                     " tensors, expected world_size = ", size_);
   const int64_t count = input.numel();
   for (const auto& o : outputs) {
-    PYDDP_CHECK_TYPE(checkTensor(o, "all_gather", "tensor_list entry") == dtype, "rank ", rank_,
+    PYDDP_CHECK_TYPE(checks_.tensor(o, "all_gather", "tensor_list entry") == dtype, "rank ", rank_,
                      ": all_gather: tensor_list entry dtype ", o.scalar_type(),
                      " differs from input dtype ", input.scalar_type());
     PYDDP_CHECK_VALUE(o.numel() == count, "rank ", rank_, ": all_gather: tensor_list entry has ",
                       o.numel(), " elements, expected ", count, " (the input's)");
-    checkWritable(o, "all_gather", "tensor_list entry");
+    checks_.writable(o, "all_gather", "tensor_list entry");
   }
   return launch(CollectiveKind::AllGather, {input}, outputs, false, asyncOp,
                 [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
@@ -253,10 +210,9 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherList(
 
 c10::intrusive_ptr<c10d::Work> NcclBackend::broadcastFrom(const at::Tensor& tensor, int src,
                                                           bool asyncOp) {
-  const DataType dtype = checkTensor(tensor, "broadcast", "tensor");
-  checkWritable(tensor, "broadcast", "tensor");
-  PYDDP_CHECK_VALUE(src >= 0 && src < size_, "rank ", rank_, ": broadcast: src=", src,
-                    " is not a rank of this group (world_size ", size_, ")");
+  const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
+  checks_.writable(tensor, "broadcast", "tensor");
+  checks_.root(src, "broadcast", "src");
   return launch(CollectiveKind::Broadcast, {tensor}, {tensor}, false, asyncOp,
                 [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);
@@ -273,8 +229,8 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::reduceScatterSingle(const at::Tensor
                                                                 const at::Tensor& input,
                                                                 RedOp op, bool asyncOp) {
   const DataType dtype =
-      checkSingle("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
-  checkOp(op, dtype, "reduce_scatter_single");
+      checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
+  checks_.op(op, dtype, "reduce_scatter_single");
   return launch(CollectiveKind::ReduceScatter, {input}, {output}, false, asyncOp,
                 [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
                   const at::Tensor in = dense(input);

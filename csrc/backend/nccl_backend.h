@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 
+#include "backend/arg_checks.h"
 #include "backend/cuda_stream.h"
 #include "transport/nccl.h"
 
@@ -74,15 +75,9 @@ class NcclBackend final : public c10d::Backend {
                                         std::vector<at::Tensor> outputs, bool hostBlocking,
                                         bool asyncOp, const Enqueue& enqueue);
 
-  // Argument checks; messages name the rank and the call.
-  DataType checkTensor(const at::Tensor& t, const char* call, const char* what) const;
-  void checkWritable(const at::Tensor& t, const char* call, const char* what) const;
-  DataType checkSingle(const char* call, const at::Tensor& output, const at::Tensor& input,
-                       bool outputIsWhole) const;
-  void checkOp(RedOp op, DataType dtype, const char* call) const;
-
   const std::chrono::milliseconds timeout_;
   const c10::Device device_;
+  const ArgChecks checks_;
   // Destroyed in reverse order: the monitor (whose hooks use the
   // communicator) goes first.
   std::unique_ptr<nccl::Communicator> comm_;

@@ -2,8 +2,6 @@
 
 #include <pthread.h>
 
-#include <ATen/MemoryOverlap.h>
-
 #include <cstring>
 
 #include "common/check.h"
@@ -81,23 +79,14 @@ CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
 
 } // namespace
 
-std::optional<DataType> dataTypeOf(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DataType::Float32;
-    case at::kDouble: return DataType::Float64;
-    case at::kHalf: return DataType::Float16;
-    case at::kBFloat16: return DataType::BFloat16;
-    case at::kChar: return DataType::Int8;
-    case at::kByte: return DataType::UInt8;
-    case at::kInt: return DataType::Int32;
-    case at::kLong: return DataType::Int64;
-    default: return std::nullopt;
-  }
-}
 
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                          int size, const RingOptions& options, c10::Device device)
-    : c10d::Backend(rank, size), options_(options), device_(device) {
+    : c10d::Backend(rank, size),
+      options_(options),
+      device_(device),
+      checks_(rank, size, device,
+              device.is_cpu() ? "this group's shm transport" : "this group's cuda_ipc transport") {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
@@ -107,12 +96,12 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   // Wait for every rank before creating anything: a rank killed while
   // others are still missing leaves no shared memory behind.
   exchange(*store, "shm/hello", "", rank, size, timeout);
-  transport_ = makeTransport();
   // phase 1: publish what peers need to reach us (or why we cannot be
   // reached), learn theirs
   std::string blob;
   std::exception_ptr ownFailure;
   try {
+    transport_ = makeTransport();
     blob = kBlobOk + transport_->setup();
   } catch (const std::exception& e) {
     blob = kBlobFailed + messageOf(e);
@@ -122,7 +111,7 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   if (ownFailure) std::rethrow_exception(ownFailure);
   for (int peer = 0; peer < size; ++peer) {
     PYDDP_CHECK_COMM(blobs[peer].rfind(kBlobOk, 0) == 0, "rank ", rank, ": rank ", peer,
-                     " could not set up its ", transport_->name(), " transport: ",
+                     " could not set up its transport for ", device_, ": ",
                      blobs[peer].substr(std::strlen(kBlobFailed)));
     blobs[peer].erase(0, std::strlen(kBlobOk));
   }
@@ -152,6 +141,27 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   exec_->workerId = worker_.get_id();
 }
 
+void RingBackend::retireDevice() {
+#ifdef PYDDP_WITH_CUDA
+  std::lock_guard<std::mutex> lock(deviceMu_);
+  if (!brokenBy_.empty() || !monitor_->failure().empty()) return;  // the abort path ends it
+  // A clean end: collectives already queued complete (as a destroy after
+  // dist.all_reduce(t) expects), then every rank meets every other, so no
+  // peer still reads this rank's buffer when it is freed. Bounded by the
+  // timeout; on failure the abort that follows ends what is left.
+  const auto deadline = Clock::now() + Ms(options_.timeoutMs);
+  if (!ipc_->drain(deadline)) return;
+  CollectiveDesc retire = makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8);
+  retire.seq = nextSeq_++;  // every rank ran the same collectives: the same number
+  try {
+    transport_->enter(retire, deadline);
+  } catch (const std::exception&) {
+    // A peer that never comes (it failed, or was destroyed without its
+    // collectives) is the abort path's to handle.
+  }
+#endif
+}
+
 std::unique_ptr<Transport> RingBackend::makeTransport() {
   if (device_.is_cpu()) return std::make_unique<shm::ShmTransport>(rank_, size_, options_);
 #ifdef PYDDP_WITH_CUDA
@@ -171,7 +181,7 @@ std::unique_ptr<Transport> RingBackend::makeTransport() {
 void RingBackend::startMonitor() {
 #ifdef PYDDP_WITH_CUDA
   monitor_ = std::make_unique<gpu::WorkMonitor>(
-      rank_, device_.index(), [this] { return ipc_->deviceError(); },
+      rank_, device_.index(), [this] { return ipc_->asyncError(); },
       // Waits of kernels still queued end at once instead of at their timeout.
       [this](const std::string&) { transport_->abort(); });
 #endif
@@ -193,7 +203,10 @@ void RingBackend::shutdown() {
   }
   exec_->cv.notify_all();
 #ifdef PYDDP_WITH_CUDA
-  if (monitor_) monitor_->stop(c10::str("rank ", rank_, ": the process group was destroyed"));
+  if (monitor_) {
+    retireDevice();
+    monitor_->stop(c10::str("rank ", rank_, ": the process group was destroyed"));
+  }
 #endif
   if (transport_) transport_->abort();
   for (Job& job : dropped) {
@@ -318,9 +331,17 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
   PYDDP_CHECK_COMM(failure.empty(), "rank ", rank_, ": ", what, " refused: an earlier "
                    "collective failed and left the process group unusable (", failure,
                    "); destroy it and create a new one");
-  auto work = c10::make_intrusive<gpu::CudaWork>(rank_, desc.kind, what, device_, outputs,
-                                                 /*hostBlocking=*/desc.kind ==
-                                                     CollectiveKind::Barrier);
+  // Flag targets are fixed at enqueue: a replayed CUDA graph would wait on
+  // stale ones.
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  gpu::checkCuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device_.index()).stream(),
+                                       &capturing),
+                 "cudaStreamIsCapturing");
+  PYDDP_CHECK_VALUE(capturing == cudaStreamCaptureStatusNone, "rank ", rank_, ": ", what,
+                    ": the cuda_ipc transport cannot be captured in a CUDA graph");
+  auto work = c10::make_intrusive<gpu::CudaWork>(
+      rank_, desc.kind, what, device_, outputs,
+      /*hostBlocking=*/desc.kind == CollectiveKind::Barrier, ipc_->deviceErrorProbe());
   {
     // Enqueue behind the caller's stream; the transport's verbs run on the
     // internal stream, and so do the copies of finish().
@@ -334,7 +355,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
       finish();
     } catch (const std::exception& e) {
       // Some verbs may be on the stream already: this rank is out of step.
+      // Earlier collectives, correctly queued, finish first (bounded), so
+      // that the abort below ends only this one's waits.
       brokenBy_ = messageOf(e);
+      ipc_->drain(Clock::now() + Ms(options_.timeoutMs));
       transport_->abandon(brokenBy_);
       monitor_->fail(brokenBy_);
       throw;
@@ -350,55 +374,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
 #endif
 }
 
-DataType RingBackend::checkTensor(const at::Tensor& t, const char* call,
-                                  const char* what) const {
-  PYDDP_CHECK_TYPE(t.defined(), "rank ", rank_, ": ", call, ": ", what,
-                   " is an undefined tensor");
-  PYDDP_CHECK_TYPE(t.device() == device_, "rank ", rank_, ": ", call, ": ", what, " is on ",
-                   t.device(), "; this group's ", transport_->name(), " transport serves ",
-                   device_, " tensors only");
-  PYDDP_CHECK_TYPE(t.layout() == at::kStrided, "rank ", rank_, ": ", call, ": ", what,
-                   " has layout ", t.layout(), "; only dense (strided) tensors are supported");
-  const auto dtype = dataTypeOf(t.scalar_type());
-  PYDDP_CHECK_TYPE(dtype.has_value(), "rank ", rank_, ": ", call, ": ", what, " has dtype ",
-                   t.scalar_type(), "; supported: float32, float64, float16, "
-                   "bfloat16, int8, uint8, int32, int64");
-  return *dtype;
-}
 
-DataType RingBackend::checkSingle(const char* call, const at::Tensor& output,
-                                  const at::Tensor& input, bool outputIsWhole) const {
-  const DataType dtype = checkTensor(input, call, "input");
-  PYDDP_CHECK_TYPE(checkTensor(output, call, "output") == dtype, "rank ", rank_, ": ", call,
-                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
-                   input.scalar_type());
-  checkWritable(output, call, "output");
-  const at::Tensor& whole = outputIsWhole ? output : input;
-  const at::Tensor& block = outputIsWhole ? input : output;
-  PYDDP_CHECK_VALUE(whole.numel() == block.numel() * size_, "rank ", rank_, ": ", call, ": ",
-                    outputIsWhole ? "output" : "input", " has ", whole.numel(),
-                    " elements, expected ", block.numel() * size_, " (world_size ", size_,
-                    " x ", outputIsWhole ? "input" : "output", "'s ", block.numel(), ")");
-  return dtype;
-}
 
-void RingBackend::checkWritable(const at::Tensor& t, const char* call,
-                                const char* what) const {
-  PYDDP_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "rank ", rank_,
-                    ": ", call, ": ", what, " has elements that share memory (an "
-                    "expand()ed view?); results cannot be written into it");
-}
 
-void RingBackend::checkOp(RedOp op, DataType dtype, const char* call) const {
-  PYDDP_CHECK_TYPE(op != RedOp::Avg || isFloating(dtype), "rank ", rank_, ": ", call,
-                   ": ReduceOp.AVG needs a floating-point tensor, got ",
-                   toString(dtype), "; use SUM and divide");
-}
 
-void RingBackend::checkRoot(int root, const char* call, const char* what) const {
-  PYDDP_CHECK_VALUE(root >= 0 && root < size_, "rank ", rank_, ": ", call, ": ", what, "=",
-                    root, " is not a rank of this group (world_size ", size_, ")");
-}
 
 kernels::ReduceSpec RingBackend::spec(DataType dtype, RedOp op) const {
   return kernels::ReduceSpec{dtype, op, size_};
@@ -412,10 +391,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::allReduce(const at::Tensor& tensor,
 c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, RedOp op,
                                                      int root, bool asyncOp) {
   const char* call = root < 0 ? "all_reduce" : "reduce";
-  const DataType dtype = checkTensor(tensor, call, "tensor");
-  checkWritable(tensor, call, "tensor");
-  checkOp(op, dtype, call);
-  if (root >= 0) checkRoot(root, call, "dst");
+  const DataType dtype = checks_.tensor(tensor, call, "tensor");
+  checks_.writable(tensor, call, "tensor");
+  checks_.op(op, dtype, call);
+  if (root >= 0) checks_.root(root, call, "dst");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
   const Algo algo = options_.allReduceAlgo(bytes);
@@ -450,7 +429,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, R
 c10::intrusive_ptr<c10d::Work> RingBackend::allGatherSingle(const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             bool asyncOp) {
-  const DataType dtype = checkSingle("all_gather_single", output, input, /*outputIsWhole=*/true);
+  const DataType dtype = checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
   const size_t count = input.numel();
   const at::Tensor in = dense(input);
   at::Tensor out = dense(output);
@@ -479,8 +458,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gatherTo(const std::vector<at::Tenso
   // The output list's name in torch.distributed's signature.
   const char* list = root < 0 ? "tensor_list" : "gather_list";
   const std::string entry = std::string(list) + " entry";
-  const DataType dtype = checkTensor(input, call, "input");
-  if (root >= 0) checkRoot(root, call, "dst");
+  const DataType dtype = checks_.tensor(input, call, "input");
+  if (root >= 0) checks_.root(root, call, "dst");
   const size_t count = input.numel();
   // A gather is an all-gather whose blocks only the root keeps: the other
   // ranks pass no outputs and gather into scratch tensors.
@@ -491,13 +470,13 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gatherTo(const std::vector<at::Tenso
                       ": ", list, " has ", outputs.size(),
                       " tensors, expected world_size = ", size_);
     for (const auto& o : outputs) {
-      PYDDP_CHECK_TYPE(checkTensor(o, call, entry.c_str()) == dtype, "rank ", rank_, ": ", call,
+      PYDDP_CHECK_TYPE(checks_.tensor(o, call, entry.c_str()) == dtype, "rank ", rank_, ": ", call,
                        ": ", list, " entry dtype ", o.scalar_type(),
                        " differs from input dtype ", input.scalar_type());
       PYDDP_CHECK_VALUE(static_cast<size_t>(o.numel()) == count, "rank ", rank_, ": ", call,
                         ": ", list, " entry has ", o.numel(), " elements, expected ", count,
                         " (the input's)");
-      checkWritable(o, call, entry.c_str());
+      checks_.writable(o, call, entry.c_str());
       outs.push_back(dense(o));
     }
   } else {
@@ -524,9 +503,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::gatherTo(const std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tensor,
                                                           int src, bool asyncOp) {
-  const DataType dtype = checkTensor(tensor, "broadcast", "tensor");
-  checkWritable(tensor, "broadcast", "tensor");
-  checkRoot(src, "broadcast", "src");
+  const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
+  checks_.writable(tensor, "broadcast", "tensor");
+  checks_.root(src, "broadcast", "src");
   const size_t count = tensor.numel();
   at::Tensor buf = dense(tensor);
   return submit(
@@ -540,8 +519,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::broadcastFrom(const at::Tensor& tens
 c10::intrusive_ptr<c10d::Work> RingBackend::reduceScatterSingle(
     const at::Tensor& output, const at::Tensor& input, RedOp op, bool asyncOp) {
   const DataType dtype =
-      checkSingle("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
-  checkOp(op, dtype, "reduce_scatter_single");
+      checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
+  checks_.op(op, dtype, "reduce_scatter_single");
   const size_t count = output.numel();
   const at::Tensor in = dense(input);
   at::Tensor out = dense(output);
@@ -644,9 +623,9 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(
     const c10d::ScatterOptions& opts) {
   const at::Tensor& output = single(outputs, "scatter", "output");
   const int root = static_cast<int>(opts.rootRank);
-  const DataType dtype = checkTensor(output, "scatter", "output");
-  checkWritable(output, "scatter", "output");
-  checkRoot(root, "scatter", "src");
+  const DataType dtype = checks_.tensor(output, "scatter", "output");
+  checks_.writable(output, "scatter", "output");
+  checks_.root(root, "scatter", "src");
   const size_t count = output.numel();
   // The root's list travels as one world-sized tensor down the broadcast
   // chain and each rank keeps its block: (n-1) times the bytes a tree
@@ -658,7 +637,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::scatter(
                       size_, " tensors");
     std::vector<at::Tensor> flat;
     for (const auto& t : inputs[0]) {
-      PYDDP_CHECK_TYPE(checkTensor(t, "scatter", "input") == dtype, "rank ", rank_,
+      PYDDP_CHECK_TYPE(checks_.tensor(t, "scatter", "input") == dtype, "rank ", rank_,
                        ": scatter: input dtype ", t.scalar_type(), " differs from output dtype ",
                        output.scalar_type());
       PYDDP_CHECK_VALUE(static_cast<size_t>(t.numel()) == count, "rank ", rank_,
@@ -691,10 +670,10 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduce_scatter(
   PYDDP_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "rank ", rank_,
                     ": reduce_scatter: input list has ", inputs[0].size(),
                     " tensors, expected world_size = ", size_);
-  const DataType dtype = checkTensor(output, "reduce_scatter", "output");
+  const DataType dtype = checks_.tensor(output, "reduce_scatter", "output");
   std::vector<at::Tensor> flat;
   for (const auto& t : inputs[0]) {
-    PYDDP_CHECK_TYPE(checkTensor(t, "reduce_scatter", "input") == dtype, "rank ", rank_,
+    PYDDP_CHECK_TYPE(checks_.tensor(t, "reduce_scatter", "input") == dtype, "rank ", rank_,
                      ": reduce_scatter: input dtype ", t.scalar_type(),
                      " differs from output dtype ", output.scalar_type());
     PYDDP_CHECK_VALUE(t.numel() == output.numel(), "rank ", rank_,

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "algorithms/collectives.h"
+#include "backend/arg_checks.h"
 #include "backend/work.h"
 #include "common/config.h"
 
@@ -34,9 +35,6 @@
 #endif
 
 namespace pyddp {
-
-// pyddp's element type for a torch dtype; nullopt when unsupported.
-std::optional<DataType> dataTypeOf(at::ScalarType t);
 
 class RingBackend final : public c10d::Backend {
  public:
@@ -138,6 +136,9 @@ class RingBackend final : public c10d::Backend {
   // Device mode: the WorkMonitor that fails collectives whose device waits
   // gave up or that outlive the timeout.
   void startMonitor();
+  // Device mode, at shutdown: let queued collectives finish and meet every
+  // peer, so that no rank frees memory a peer still reads.
+  void retireDevice();
 
   c10::intrusive_ptr<c10d::Work> submit(CollectiveDesc desc,
                                         std::vector<at::Tensor> outputs,
@@ -152,15 +153,6 @@ class RingBackend final : public c10d::Backend {
   void run(Job& job);
   static void workerLoop(std::shared_ptr<Executor> exec, RingBackend* backend);
 
-  // Argument checks shared by every call; messages name rank and call.
-  DataType checkTensor(const at::Tensor& t, const char* call, const char* what) const;
-  void checkWritable(const at::Tensor& t, const char* call, const char* what) const;
-  // all_gather_single and reduce_scatter_single: one rank-sized tensor and
-  // one world-sized tensor of the same dtype; returns that dtype.
-  DataType checkSingle(const char* call, const at::Tensor& output, const at::Tensor& input,
-                       bool outputIsWhole) const;
-  void checkOp(RedOp op, DataType dtype, const char* call) const;
-  void checkRoot(int root, const char* call, const char* what) const;
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
   // torch.distributed's arguments: the one tensor of a per-process list,
   // and pyddp's operator for a c10d::ReduceOp.
@@ -170,6 +162,7 @@ class RingBackend final : public c10d::Backend {
 
   const RingOptions options_;
   const c10::Device device_;
+  const ArgChecks checks_;
 #ifdef PYDDP_WITH_CUDA
   // Device mode only; declared before the transport that enqueues on it.
   std::unique_ptr<gpu::CollectiveStream> stream_;

@@ -3,9 +3,8 @@
 #include "common/check.h"
 
 namespace pyddp {
-namespace {
 
-c10d::OpType opType(CollectiveKind k) {
+c10d::OpType opTypeOf(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::AllReduce: return c10d::OpType::ALLREDUCE;
     case CollectiveKind::AllGather: return c10d::OpType::ALLGATHER;
@@ -19,11 +18,9 @@ c10d::OpType opType(CollectiveKind k) {
   return c10d::OpType::UNKNOWN;
 }
 
-} // namespace
-
 RingWork::RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
                    std::thread::id workerId)
-    : c10d::Work(rank, opType(kind)),
+    : c10d::Work(rank, opTypeOf(kind)),
       kind_(kind),
       workerId_(workerId),
       outputs_(std::move(outputs)),

@@ -15,6 +15,9 @@
 
 namespace pyddp {
 
+// c10d's name for a collective kind (Work::retrieveOpType).
+c10d::OpType opTypeOf(CollectiveKind kind);
+
 class RingWork final : public c10d::Work {
  public:
   // `workerId` is the thread that runs the group's queued collectives and

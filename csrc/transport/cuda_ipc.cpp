@@ -4,8 +4,10 @@
 #include <iomanip>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "common/check.h"
+#include "common/cuda_device.h"
 #include "kernels/cuda.h"
 
 namespace pyddp {
@@ -22,21 +24,6 @@ constexpr size_t kWordStride = 64 / sizeof(int64_t);
 constexpr size_t kErrorWord = 0, kAbortWord = kWordStride, kOneWord = 2 * kWordStride;
 constexpr size_t kWordsBytes = 3 * 64;
 
-// Makes `device` current for a scope and restores the previous one. Never
-// throws: the destructor of the transport uses it too.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
-};
 
 void cudaCheck(cudaError_t err, int rank, const char* what) {
   PYDDP_CHECK_COMM(err == cudaSuccess, "rank ", rank, ": cuda_ipc: ", what, " failed: ",
@@ -92,6 +79,23 @@ IpcBlob decode(const std::string& text) {
   return b;
 }
 
+std::string describeError(int64_t word, int rank, uint64_t timeoutNs) {
+  if (word == 0) return "";
+  const std::string me = "rank " + std::to_string(rank) + ": cuda_ipc: ";
+  const std::string peer = "rank " + std::to_string(errorRank(word));
+  switch (errorCode(word)) {
+    case kTimeout:
+      return me + peer + " did not signal within " + std::to_string(timeoutNs / 1000000) +
+             " ms (a device-side wait timed out)";
+    case kPeerFailed:
+      return me + peer + " gave up on a collective, so this rank's waits on it ended";
+    case kAborted:
+      return me + "the process group was aborted";
+    default:
+      return me + "unknown device error " + std::to_string(word);
+  }
+}
+
 std::pair<std::string, std::string> split(const std::string& blob) {
   const size_t at = blob.find(kBlobSeparator);
   PYDDP_CHECK(at != std::string::npos, "malformed cuda_ipc bootstrap blob");
@@ -120,11 +124,12 @@ CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& o
 
 CudaIpcTransport::~CudaIpcTransport() {
   // End every wait still queued, then let the streams drain: kernels must
-  // not touch buffers freed below. Errors are ignored: a destructor cannot
-  // report them, and a failed context frees everything anyway.
+  // not touch buffers freed below. (The backend drains and meets its peers
+  // first on a clean shutdown, so nothing is left to abort then.) Errors
+  // are ignored: a destructor cannot report them.
   if (!bases_[rank_] && !hostWords_) return;  // setup() never ran
-  if (hostWords_) static_cast<volatile int64_t*>(hostWords_)[kAbortWord] = 1;
-  DeviceScope scope(device_);
+  if (hostWords_) static_cast<volatile int64_t*>(hostWords_.get())[kAbortWord] = 1;
+  QuietDeviceGuard scope(device_);
   cudaStreamSynchronize(stream_);
   if (sideStream_) {
     cudaStreamSynchronize(sideStream_);
@@ -134,11 +139,10 @@ CudaIpcTransport::~CudaIpcTransport() {
     if (peer != rank_ && bases_[peer]) cudaIpcCloseMemHandle(bases_[peer]);
   }
   if (bases_[rank_]) cudaFree(bases_[rank_]);
-  if (hostWords_) cudaFreeHost(hostWords_);
 }
 
 std::string CudaIpcTransport::setup() {
-  DeviceScope scope(device_);
+  QuietDeviceGuard scope(device_);
   bytes_ = sizeof(IpcHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * stagingBytes_;
   void* base = nullptr;
   cudaCheck(cudaMalloc(&base, bytes_), rank_, "cudaMalloc of the IPC buffer");
@@ -151,9 +155,10 @@ std::string CudaIpcTransport::setup() {
   void* words = nullptr;
   cudaCheck(cudaHostAlloc(&words, kWordsBytes, cudaHostAllocMapped), rank_,
             "cudaHostAlloc of the error words");
-  hostWords_ = static_cast<int64_t*>(words);
-  std::memset(hostWords_, 0, kWordsBytes);
-  hostWords_[kOneWord] = 1;
+  hostWords_ = std::shared_ptr<int64_t>(static_cast<int64_t*>(words),
+                                        [](int64_t* w) { cudaFreeHost(w); });
+  std::memset(words, 0, kWordsBytes);
+  hostWords_.get()[kOneWord] = 1;
   void* devWords = nullptr;
   cudaCheck(cudaHostGetDevicePointer(&devWords, words, 0), rank_,
             "mapping the error words");
@@ -170,6 +175,9 @@ std::string CudaIpcTransport::setup() {
   b.slotBytes = slotBytes_;
   b.numSlots = numSlots_;
   b.stagingBytes = stagingBytes_;
+  // cudaMemset and a copy from pageable memory may return before the
+  // device has them: peers must see the cleared flags and the token.
+  cudaCheck(cudaDeviceSynchronize(), rank_, "finishing the IPC buffer's setup");
   return control_->setup() + kBlobSeparator + encode(b);
 }
 
@@ -187,7 +195,7 @@ std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) c
 }
 
 void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
-  DeviceScope scope(device_);
+  QuietDeviceGuard scope(device_);
   std::vector<std::string> controlBlobs(worldSize_);
   for (int peer = 0; peer < worldSize_; ++peer) {
     controlBlobs[peer] = split(blobs[peer]).first;
@@ -227,28 +235,31 @@ void CudaIpcTransport::connected() {
   control_->connected();
 }
 
-std::string CudaIpcTransport::deviceError() const {
-  const int64_t word = hostWords_ ? static_cast<volatile int64_t*>(hostWords_)[kErrorWord] : 0;
-  if (word == 0) return "";
-  const int peer = errorRank(word);
-  switch (errorCode(word)) {
-    case kTimeout:
-      return "rank " + std::to_string(rank_) + ": cuda_ipc: rank " + std::to_string(peer) +
-             " did not signal within " + std::to_string(timeoutNs_ / 1000000) +
-             " ms (a device-side wait timed out)";
-    case kPeerFailed:
-      return "rank " + std::to_string(rank_) + ": cuda_ipc: rank " + std::to_string(peer) +
-             " gave up on a collective, so this rank's waits on it ended";
-    case kAborted:
-      return "rank " + std::to_string(rank_) + ": cuda_ipc: the process group was destroyed";
-    default:
-      return "rank " + std::to_string(rank_) + ": cuda_ipc: unknown device error " +
-             std::to_string(word);
+std::function<std::string()> CudaIpcTransport::deviceErrorProbe() const {
+  return [words = hostWords_, rank = rank_, timeoutNs = timeoutNs_] {
+    const int64_t word = words ? static_cast<volatile int64_t*>(words.get())[kErrorWord] : 0;
+    return describeError(word, rank, timeoutNs);
+  };
+}
+
+std::string CudaIpcTransport::asyncError() const {
+  const std::string failed = deviceErrorProbe()();
+  if (!failed.empty()) return failed;
+  const std::string dead = control_->deadPeer();
+  return dead.empty() ? "" : "rank " + std::to_string(rank_) + ": cuda_ipc: " + dead;
+}
+
+bool CudaIpcTransport::drain(Clock::time_point deadline) const {
+  QuietDeviceGuard scope(device_);
+  while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+  return true;
 }
 
 void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
-  const std::string failed = deviceError();
+  const std::string failed = deviceErrorProbe()();
   PYDDP_CHECK_COMM(failed.empty(), failed);
   control_->enter(desc, deadline);
 }
@@ -258,15 +269,15 @@ void CudaIpcTransport::abandon(const std::string& why) {
   // Peers' device waits on this rank end too: the side stream does not
   // queue behind this rank's own (maybe spinning) kernels.
   if (hostWords_ && sideStream_) {
-    DeviceScope scope(device_);
-    cudaMemcpyAsync(const_cast<uint64_t*>(words_.ownFailed), hostWords_ + kOneWord,
+    QuietDeviceGuard scope(device_);
+    cudaMemcpyAsync(const_cast<uint64_t*>(words_.ownFailed), hostWords_.get() + kOneWord,
                     sizeof(uint64_t), cudaMemcpyHostToDevice, sideStream_);
   }
 }
 
 void CudaIpcTransport::abort() {
   control_->abort();
-  if (hostWords_) static_cast<volatile int64_t*>(hostWords_)[kAbortWord] = 1;
+  if (hostWords_) static_cast<volatile int64_t*>(hostWords_.get())[kAbortWord] = 1;
 }
 
 void CudaIpcTransport::waitFor(const WaitList& waits) {

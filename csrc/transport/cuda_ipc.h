@@ -15,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,10 +82,17 @@ class CudaIpcTransport final : public Transport,
   void exchange() override;
   const void* peerBuffer(int rank) const override;
 
-  // The first failure of a device wait, as a message; empty while none.
-  // Cheap (a read of host-mapped memory): the backend calls it to fail a
-  // collective's work once its stream has drained.
-  std::string deviceError() const;
+  // The first failure of a device wait, as a message; "" while none. The
+  // probe owns what it reads, so a collective's Work may keep it after the
+  // transport is gone; reading it after the collective's done event fired
+  // sees every failure of that collective or before it.
+  std::function<std::string()> deviceErrorProbe() const;
+  // deviceError, or a peer whose process exited: what the backend's
+  // monitor polls while collectives are pending.
+  std::string asyncError() const;
+  // Blocks until this rank's stream has drained, or the deadline passes
+  // (returns false then).
+  bool drain(Clock::time_point deadline) const;
 
  private:
   char* slots(int rank) const { return bases_[rank] + sizeof(IpcHeader); }
@@ -118,8 +126,9 @@ class CudaIpcTransport final : public Transport,
   uint64_t token_ = 0;
   size_t bytes_ = 0;
   std::vector<char*> bases_;  // by rank: own cudaMalloc, then mapped peers
-  // Host-mapped words (see SharedWords) and a pinned 1 for sideStream_.
-  int64_t* hostWords_ = nullptr;
+  // Host-mapped words (see SharedWords) and a pinned 1 for sideStream_;
+  // shared with the probes handed to Works.
+  std::shared_ptr<int64_t> hostWords_;
   SharedWords words_{};
 
   uint64_t sent_ = 0;      // mirrors our posted flag

@@ -282,6 +282,16 @@ void ShmTransport::connected() {
   unconnectedPeers_.clear();  // each owner has unlinked its own
 }
 
+std::string ShmTransport::deadPeer() const {
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer != rank_ && !peerAlive(peer)) {
+      return "rank " + std::to_string(peer) + " (pid " + std::to_string(segments_[peer].pid) +
+             ") exited";
+    }
+  }
+  return "";
+}
+
 bool ShmTransport::peerAlive(int rank) const {
   const Segment& s = segments_[rank];
   return !s.pidVisible || processAlive(s.pid);

@@ -124,6 +124,9 @@ class ShmTransport final : public Transport,
   PeerMemory* peerMemory() override { return this; }
   void abandon(const std::string& why) override;
   void abort() override { aborted_.store(true, std::memory_order_relaxed); }
+  // "" while every peer's process lives (or cannot be seen from here), else
+  // which rank exited: for transports that wait elsewhere (on a GPU).
+  std::string deadPeer() const;
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
