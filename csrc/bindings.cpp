@@ -393,9 +393,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
   py::class_<RingBackend, c10d::Backend, c10::intrusive_ptr<RingBackend>>(m, "RingBackend")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&,
-                    c10::Device>(),
+                    c10::Device, const std::string&>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
-           py::arg("device") = c10::Device(c10::kCPU), release)
+           py::arg("device") = c10::Device(c10::kCPU), py::arg("transport") = "", release)
       .def("all_reduce", &RingBackend::allReduce, py::arg("tensor"), py::arg("op"),
            py::arg("async_op"), release)
       .def("all_gather_single", &RingBackend::allGatherSingle, py::arg("output"),

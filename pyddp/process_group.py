@@ -32,10 +32,13 @@ _SUPPORTED_OPS = {
     ReduceOp.MAX: _C.RedOp.MAX,
 }
 HAS_CUDA: bool = _C.has_cuda
-# "shm": CPU tensors. "cuda_ipc" / "nccl": CUDA tensors on the current device.
-# "auto": shm for CPU tensors and, from the first CUDA collective on, cuda_ipc
-# when every rank shares this host and peer access works, NCCL otherwise.
-BACKENDS = ("shm", "auto", "cuda_ipc", "nccl") if HAS_CUDA else ("shm", "auto")
+# "shm": CPU tensors. "cuda_ipc", "nccl" (NCCL's own collectives) and
+# "nccl_ring" (pyddp's ring over NCCL send/recv): CUDA tensors on the current
+# device. "auto": shm for CPU tensors and, from the first CUDA collective on,
+# cuda_ipc when every rank shares this host and peer access works, NCCL
+# otherwise.
+BACKENDS = (("shm", "auto", "cuda_ipc", "nccl", "nccl_ring") if HAS_CUDA
+            else ("shm", "auto"))
 # The most ranks the cuda_ipc transport serves (ipc::kMaxRanks).
 CUDA_IPC_MAX_RANKS = 16
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -103,23 +106,27 @@ class ProcessGroup:
         self._options = options
         self.timeout = timeout
         # One C++ backend per device type ("cpu", "cuda"), each on its own
-        # store prefix.
+        # store prefix, and the transport it uses.
         self._backends: Dict[str, object] = {}
+        self._transports: Dict[str, str] = {}
         if kind in ("shm", "auto"):
             logger.info("rank %d/%d: group %s: CPU tensors over shm (every rank on one host; "
                         "slot_bytes=%d, num_slots=%d, direct_max_bytes=%d, two_shot_max_bytes=%d, "
                         "algo=%s)", rank, world_size, prefix, options.slot_bytes,
                         options.num_slots, options.direct_max_bytes, options.two_shot_max_bytes,
                         options.algo)
-            self._backends["cpu"] = self._ring(torch.device("cpu"))
-        elif kind == "cuda_ipc":
-            logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (asked for)",
-                        rank, world_size, prefix)
-            self._backends["cuda"] = self._ring(self._cuda_device())
-        elif kind == "nccl":
-            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL (asked for)",
-                        rank, world_size, prefix)
-            self._backends["cuda"] = self._nccl(self._cuda_device())
+            self._add("cpu", "shm", self._ring(torch.device("cpu")))
+        else:
+            logger.info("rank %d/%d: group %s: CUDA tensors over %s (asked for)",
+                        rank, world_size, prefix, kind)
+            device = self._cuda_device()
+            self._add("cuda", kind, self._nccl(device) if kind == "nccl" else
+                      self._ring(device, "nccl" if kind == "nccl_ring" else "cuda_ipc"))
+
+    def _add(self, device_type: str, transport: str, backend: object) -> object:
+        self._backends[device_type] = backend
+        self._transports[device_type] = transport
+        return backend
 
     def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
         """``device`` (a CUDA tensor's), or the current CUDA device."""
@@ -130,9 +137,10 @@ class ProcessGroup:
             return device
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _ring(self, device: torch.device) -> "_C.RingBackend":
+    def _ring(self, device: torch.device, transport: str = "") -> "_C.RingBackend":
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
-        return _C.RingBackend(store, self._rank, self._world_size, self._options, device)
+        return _C.RingBackend(store, self._rank, self._world_size, self._options, device,
+                              transport)
 
     def _nccl(self, device: torch.device) -> "_C.NcclBackend":
         store = dist.PrefixStore(f"{self._prefix}/nccl", self._store)
@@ -153,19 +161,17 @@ class ProcessGroup:
             why = f"cuda_ipc serves at most {CUDA_IPC_MAX_RANKS} ranks"
         else:
             try:
-                backend = self._ring(device)
+                backend = self._ring(device, "cuda_ipc")
             except dist.DistBackendError as refusal:
                 why = "cuda_ipc cannot connect: " + str(refusal).splitlines()[0]
         if backend is None:
             logger.info("rank %d/%d: group %s: CUDA tensors over NCCL, because %s", self._rank,
                         self._world_size, self._prefix, why)
-            backend = self._nccl(device)
-        else:
-            logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (every rank reached "
-                        "every peer's memory on %s)", self._rank, self._world_size, self._prefix,
-                        device)
-        self._backends["cuda"] = backend
-        return backend
+            return self._add("cuda", "nccl", self._nccl(device))
+        logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (every rank reached "
+                    "every peer's memory on %s)", self._rank, self._world_size, self._prefix,
+                    device)
+        return self._add("cuda", "cuda_ipc", backend)
 
     def _backend(self, t: torch.Tensor, call: str, what: str) -> object:
         """The backend for tensors on ``t``'s device."""
@@ -190,7 +196,7 @@ class ProcessGroup:
 
     @property
     def backend(self) -> str:
-        """What the group was created with: "shm", "auto", "cuda_ipc" or "nccl"."""
+        """What the group was created with: "shm", "auto", "cuda_ipc", "nccl" or "nccl_ring"."""
         return self._kind
 
     def transports(self) -> Dict[str, str]:
@@ -198,7 +204,7 @@ class ProcessGroup:
 
         An "auto" group has no CUDA entry before its first CUDA collective.
         """
-        return {device: getattr(b, "transport", "nccl") for device, b in self._backends.items()}
+        return dict(self._transports)
 
     def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
         # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
@@ -299,8 +305,9 @@ def init_process_group(
 ) -> ProcessGroup:
     """Joins (and returns) the default process group.
 
-    ``backend``: "shm" (CPU tensors), "cuda_ipc" or "nccl" (CUDA tensors on
-    the current device), or "auto" (shm for CPU tensors; for CUDA tensors,
+    ``backend``: "shm" (CPU tensors), "cuda_ipc", "nccl" or "nccl_ring" (CUDA
+    tensors on the current device; nccl_ring is pyddp's ring over NCCL
+    send/recv), or "auto" (shm for CPU tensors; for CUDA tensors,
     cuda_ipc when every rank can map every peer's memory, else NCCL; chosen
     at the first CUDA collective, the reason logged at PYDDP_DEBUG=INFO).
     ``init_method`` is env:// (the default), tcp://host:port or file:///path;

@@ -9,8 +9,10 @@ unchanged with ``ctx.state["device"]`` set:
   cuda_ipc cannot connect);
 - ``ring``, ``direct``, ``two_shot``: cuda_ipc with the algorithm forced and
   the CPU suite's small slots and staging buffers (many pieces and rounds);
-- ``nccl``: NCCL's own collectives through pyddp's NcclBackend (two ranks on
-  one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else skipped).
+- ``nccl``: NCCL's own collectives through pyddp's NcclBackend, and
+  ``nccl_ring``: pyddp's ring over NCCL send/recv with the small slots (two
+  ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else
+  skipped).
 
 Every test is marked ``cuda`` and skips without a GPU.
 """
@@ -74,6 +76,7 @@ def _setup(ctx: RankContext) -> None:
                                    direct_max_bytes=0, two_shot_max_bytes=320)
     if not _nccl_reason():
         ctx.groups["nccl"] = group("nccl", "nccl")
+        ctx.groups["nccl_ring"] = group("nccl_ring", "nccl_ring", slot_bytes=256, num_slots=2)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +88,11 @@ def ranks():
     pool.close()
 
 
-GROUPS = ["auto", "ring", "direct", "two_shot", "nccl"]
+GROUPS = ["auto", "ring", "direct", "two_shot", "nccl", "nccl_ring"]
 
 
 def _skip_missing(group: str) -> None:
-    if group == "nccl" and _nccl_reason():
+    if group.startswith("nccl") and _nccl_reason():
         pytest.skip(_nccl_reason())
 
 
@@ -99,19 +102,19 @@ def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl"])
+@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     _skip_missing(group)
     ranks.run(_reduce_scatter_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl"])
+@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
 def test_all_gather_every_dtype(ranks, group):
     _skip_missing(group)
     ranks.run(_all_gather_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl"])
+@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
 def test_broadcast_every_dtype_and_root(ranks, group):
     _skip_missing(group)
     ranks.run(_broadcast_cases, group, timeout=600)

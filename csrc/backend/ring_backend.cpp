@@ -17,6 +17,9 @@ using Ms = std::chrono::milliseconds;
 constexpr const char* kBlobOk = "+";
 constexpr const char* kBlobFailed = "!";
 
+// How often a device-mode shutdown looks whether the stream has drained.
+constexpr auto kDrainPoll = std::chrono::microseconds(200);
+
 // An error's message without the C++ backtrace c10 errors carry: it goes
 // into other errors and to the peers.
 std::string messageOf(const std::exception& e) {
@@ -81,12 +84,12 @@ CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
 
 
 RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                         int size, const RingOptions& options, c10::Device device)
+                         int size, const RingOptions& options, c10::Device device,
+                         const std::string& transport)
     : c10d::Backend(rank, size),
       options_(options),
       device_(device),
-      checks_(rank, size, device,
-              device.is_cpu() ? "this group's shm transport" : "this group's cuda_ipc transport") {
+      checks_(rank, size, device, "this group's transport") {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
@@ -101,7 +104,7 @@ RingBackend::RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   std::string blob;
   std::exception_ptr ownFailure;
   try {
-    transport_ = makeTransport();
+    transport_ = makeTransport(transport);
     blob = kBlobOk + transport_->setup();
   } catch (const std::exception& e) {
     blob = kBlobFailed + messageOf(e);
@@ -150,7 +153,7 @@ void RingBackend::retireDevice() {
   // peer still reads this rank's buffer when it is freed. Bounded by the
   // timeout; on failure the abort that follows ends what is left.
   const auto deadline = Clock::now() + Ms(options_.timeoutMs);
-  if (!ipc_->drain(deadline)) return;
+  if (!drainDevice(deadline)) return;
   CollectiveDesc retire = makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8);
   retire.seq = nextSeq_++;  // every rank ran the same collectives: the same number
   try {
@@ -162,10 +165,22 @@ void RingBackend::retireDevice() {
 #endif
 }
 
-std::unique_ptr<Transport> RingBackend::makeTransport() {
-  if (device_.is_cpu()) return std::make_unique<shm::ShmTransport>(rank_, size_, options_);
+std::unique_ptr<Transport> RingBackend::makeTransport(const std::string& name) {
+  const std::string chosen = name.empty() ? (device_.is_cpu() ? "shm" : "cuda_ipc") : name;
+  if (device_.is_cpu()) {
+    PYDDP_CHECK_VALUE(chosen == "shm", "rank ", rank_, ": CPU tensors travel over shm, not ",
+                      chosen);
+    return std::make_unique<shm::ShmTransport>(rank_, size_, options_);
+  }
 #ifdef PYDDP_WITH_CUDA
+  PYDDP_CHECK_VALUE(chosen == "cuda_ipc" || chosen == "nccl", "rank ", rank_, ": ", device_,
+                    " tensors travel over cuda_ipc or nccl, not ", chosen);
   stream_ = std::make_unique<gpu::CollectiveStream>(device_);
+  if (chosen == "nccl") {
+    return std::make_unique<nccl::NcclTransport>(rank_, size_, device_.index(),
+                                                 stream_->stream().stream(), options_.slotBytes,
+                                                 Ms(options_.timeoutMs));
+  }
   auto ipc = std::make_unique<ipc::CudaIpcTransport>(rank_, size_, options_, device_.index(),
                                                      stream_->stream().stream());
   ipc_ = ipc.get();
@@ -178,10 +193,23 @@ std::unique_ptr<Transport> RingBackend::makeTransport() {
 #endif
 }
 
+bool RingBackend::drainDevice(Clock::time_point deadline) const {
+#ifdef PYDDP_WITH_CUDA
+  QuietDeviceGuard guard(device_.index());
+  while (cudaStreamQuery(stream_->stream().stream()) == cudaErrorNotReady) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(kDrainPoll);
+  }
+#endif
+  return true;
+}
+
 void RingBackend::startMonitor() {
 #ifdef PYDDP_WITH_CUDA
   monitor_ = std::make_unique<gpu::WorkMonitor>(
-      rank_, device_.index(), [this] { return ipc_->asyncError(); },
+      // cuda_ipc reports device waits that gave up and dead peers; NCCL's
+      // hangs end at the deadline.
+      rank_, device_.index(), [this] { return ipc_ ? ipc_->asyncError() : std::string(); },
       // Waits of kernels still queued end at once instead of at their timeout.
       [this](const std::string&) { transport_->abort(); });
 #endif
@@ -341,7 +369,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
                     ": the cuda_ipc transport cannot be captured in a CUDA graph");
   auto work = c10::make_intrusive<gpu::CudaWork>(
       rank_, desc.kind, what, device_, outputs,
-      /*hostBlocking=*/desc.kind == CollectiveKind::Barrier, ipc_->deviceErrorProbe());
+      /*hostBlocking=*/desc.kind == CollectiveKind::Barrier,
+      ipc_ ? ipc_->deviceErrorProbe() : nullptr);
   {
     // Enqueue behind the caller's stream; the transport's verbs run on the
     // internal stream, and so do the copies of finish().
@@ -352,13 +381,14 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
                                 size_};
     try {
       transfer(call);
+      transport_->flush();
       finish();
     } catch (const std::exception& e) {
       // Some verbs may be on the stream already: this rank is out of step.
       // Earlier collectives, correctly queued, finish first (bounded), so
       // that the abort below ends only this one's waits.
       brokenBy_ = messageOf(e);
-      ipc_->drain(Clock::now() + Ms(options_.timeoutMs));
+      drainDevice(Clock::now() + Ms(options_.timeoutMs));
       transport_->abandon(brokenBy_);
       monitor_->fail(brokenBy_);
       throw;
@@ -397,7 +427,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::reduceTo(const at::Tensor& tensor, R
   if (root >= 0) checks_.root(root, call, "dst");
   const size_t count = tensor.numel();
   const size_t bytes = count * elementSize(dtype);
-  const Algo algo = options_.allReduceAlgo(bytes);
+  // Transports without mapped peer memory (NCCL) run every size on the ring.
+  const Algo algo = transport_->peerMemory() ? options_.allReduceAlgo(bytes) : Algo::Ring;
   const auto s = spec(dtype, op);
   // A reduce is an all-reduce whose result only the root keeps: the other
   // ranks compute into a copy and leave their tensor as it was.

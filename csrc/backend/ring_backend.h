@@ -31,7 +31,9 @@
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/cuda_stream.h"
+#include "common/cuda_device.h"
 #include "transport/cuda_ipc.h"
+#include "transport/nccl.h"
 #endif
 
 namespace pyddp {
@@ -39,10 +41,13 @@ namespace pyddp {
 class RingBackend final : public c10d::Backend {
  public:
   // Blocks until every rank has connected (bounded by options.timeoutMs).
-  // `device` is the CPU or one CUDA device; every rank's transport must
-  // reach every peer, else every rank fails naming the refusal.
+  // `device` is the CPU (transport shm) or one CUDA device (transport
+  // cuda_ipc, or "nccl": NCCL send/recv, for rings across hosts); every
+  // rank's transport must reach every peer, else every rank fails naming
+  // the refusal.
   RingBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-              const RingOptions& options, c10::Device device = c10::Device(c10::kCPU));
+              const RingOptions& options, c10::Device device = c10::Device(c10::kCPU),
+              const std::string& transport = "");
   ~RingBackend() override;
 
   const std::string getBackendName() const override { return "pyddp"; }
@@ -131,8 +136,12 @@ class RingBackend final : public c10d::Backend {
 
   // `uses` are the other tensors the transfer reads or writes (inputs,
   // scratch): a device collective protects them from the caching allocator.
-  // The transport of device_ (a new cuda_ipc transport also gets stream_).
-  std::unique_ptr<Transport> makeTransport();
+  // The transport named (or device_'s default); a device transport also
+  // gets stream_.
+  std::unique_ptr<Transport> makeTransport(const std::string& name);
+  // Device mode: blocks until the internal stream has drained, or the
+  // deadline passes (returns false then).
+  bool drainDevice(Clock::time_point deadline) const;
   // Device mode: the WorkMonitor that fails collectives whose device waits
   // gave up or that outlive the timeout.
   void startMonitor();

@@ -4,7 +4,6 @@
 #include <iomanip>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #include "common/check.h"
 #include "common/cuda_device.h"
@@ -247,15 +246,6 @@ std::string CudaIpcTransport::asyncError() const {
   if (!failed.empty()) return failed;
   const std::string dead = control_->deadPeer();
   return dead.empty() ? "" : "rank " + std::to_string(rank_) + ": cuda_ipc: " + dead;
-}
-
-bool CudaIpcTransport::drain(Clock::time_point deadline) const {
-  QuietDeviceGuard scope(device_);
-  while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  return true;
 }
 
 void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {

@@ -90,9 +90,6 @@ class CudaIpcTransport final : public Transport,
   // deviceError, or a peer whose process exited: what the backend's
   // monitor polls while collectives are pending.
   std::string asyncError() const;
-  // Blocks until this rank's stream has drained, or the deadline passes
-  // (returns false then).
-  bool drain(Clock::time_point deadline) const;
 
  private:
   char* slots(int rank) const { return bases_[rank] + sizeof(IpcHeader); }

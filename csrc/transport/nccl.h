@@ -141,7 +141,7 @@ class NcclTransport final : public Transport, private LocalOps, private p2p::P2p
   void abort() override;
 
   // Posts the ring send the last verb left pending (see P2pRing::flush).
-  void flush();
+  void flush() override;
   // Reads every descriptor check whose result has arrived; throws
   // DistBackendError when ranks disagreed.
   void checkDescriptors();

@@ -102,6 +102,9 @@ class Transport {
 
   virtual RingLink& ring() = 0;
   virtual LocalOps& local() = 0;
+  // Called after each collective's verbs: posts what the last verb may
+  // have held back (NCCL's ring pairs each send with the next receive).
+  virtual void flush() {}
   // nullptr when peers' memory is not mapped into this process.
   virtual PeerMemory* peerMemory() = 0;
 

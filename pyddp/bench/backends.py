@@ -340,6 +340,14 @@ class PyddpNcclBackend(_PyddpBackend):
     _cuda = True
 
 
+class PyddpNcclRingBackend(_PyddpBackend):
+    """pyddp's ring over NCCL send/recv (the path across hosts)."""
+
+    name = "pyddp_nccl_ring"
+    _transport = "nccl_ring"
+    _cuda = True
+
+
 @functools.lru_cache(maxsize=None)
 def mpi_launchable() -> Optional[str]:
     """Why this machine cannot start MPI ranks (no mpi4py, no Open MPI mpirun); None if it can.
@@ -547,7 +555,8 @@ class DeepSpeedShmBackend:
 BACKENDS: dict[str, type] = {
     cls.name: cls for cls in (
         PyddpShmBackend, GlooBackend, MpiBackend, DeepSpeedShmBackend,
-        TorchNcclBackend, PyddpIpcRingBackend, PyddpIpcDirectBackend, PyddpNcclBackend)
+        TorchNcclBackend, PyddpIpcRingBackend, PyddpIpcDirectBackend, PyddpNcclBackend,
+        PyddpNcclRingBackend)
 }
 """Every backend the tool knows, CPU ones first, in table order."""
 
