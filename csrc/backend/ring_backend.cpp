@@ -153,7 +153,7 @@ void RingBackend::retireDevice() {
   // peer still reads this rank's buffer when it is freed. Bounded by the
   // timeout; on failure the abort that follows ends what is left.
   const auto deadline = Clock::now() + Ms(options_.timeoutMs);
-  if (!drainDevice(deadline)) return;
+  if (!drainDevice(deadline) || !ipc_) return;  // NCCL owns its buffers
   CollectiveDesc retire = makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8);
   retire.seq = nextSeq_++;  // every rank ran the same collectives: the same number
   try {
@@ -366,7 +366,8 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
                                        &capturing),
                  "cudaStreamIsCapturing");
   PYDDP_CHECK_VALUE(capturing == cudaStreamCaptureStatusNone, "rank ", rank_, ": ", what,
-                    ": the cuda_ipc transport cannot be captured in a CUDA graph");
+                    ": pyddp's ", transport_->name(), " transport cannot be captured in a "
+                    "CUDA graph");
   auto work = c10::make_intrusive<gpu::CudaWork>(
       rank_, desc.kind, what, device_, outputs,
       /*hostBlocking=*/desc.kind == CollectiveKind::Barrier,
