@@ -80,6 +80,14 @@ class GradBucket:
         """The flat tensor holding every gradient of the bucket."""
         return self._buffer
 
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replaces the bucket's contents with ``buffer`` (same number of elements), as
+        torch's hooks (PowerSGD, say) do; ``gradients()`` see the new values."""
+        if buffer.numel() != self._buffer.numel():
+            raise ValueError(f"pyddp: GradBucket.set_buffer: bucket {self._index} holds "
+                             f"{self._buffer.numel()} elements, got {buffer.numel()}")
+        self._buffer.copy_(buffer.reshape(self._buffer.shape))
+
     def gradients(self) -> List[torch.Tensor]:
         """Per-parameter views into ``buffer()``, shaped like the parameters."""
         return self._gradients

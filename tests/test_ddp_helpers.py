@@ -1,12 +1,13 @@
-"""DDP's pure helpers: finding the tensors of a forward's output, moving inputs."""
+"""DDP's pure helpers: output tensors, inputs moved, bucket slot layouts, GradBucket."""
 
 import collections
 import dataclasses
 
+import pytest
 import torch
 
 from pyddp.ddp import _find_tensors, _to_device
-from pyddp.reducer import _slot_view
+from pyddp.reducer import GradBucket, _slot_view
 
 
 @dataclasses.dataclass
@@ -48,3 +49,14 @@ def test_bucket_slots_take_the_parameters_layout():
     # A transposed (dense) parameter keeps its strides; a strided one gets a plain view.
     assert _slot_view(torch.zeros(30), torch.empty(5, 6).t()).stride() == (1, 6)
     assert _slot_view(torch.zeros(15), torch.empty(5, 6)[:, ::2]).stride() == (3, 1)
+
+
+def test_grad_bucket_set_buffer_replaces_the_contents():
+    flat = torch.zeros(5)
+    grads = [flat[:2].view(2), flat[2:].view(3)]
+    bucket = GradBucket(0, flat, [torch.empty(2), torch.empty(3)], grads, is_last=True)
+    bucket.set_buffer(torch.arange(5.0))
+    assert bucket.buffer().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert grads[1].tolist() == [2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="holds 5 elements, got 4"):
+        bucket.set_buffer(torch.zeros(4))
