@@ -409,8 +409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("barrier", &RingBackend::barrierAll, py::arg("async_op"), release)
       .def("shutdown", &RingBackend::shutdown, release)
       .def_property_readonly("options", &RingBackend::options)
-      .def_property_readonly("device", &RingBackend::device)
-      .def_property_readonly("transport", &RingBackend::transportName);
+      .def_property_readonly("device", &RingBackend::device);
 
   bindTesting(m);
   bindNccl(m);

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import bucketing
 from .process_group import ProcessGroup, ReduceOp, get_default_group
-from .reducer import CommHook, GradBucket, Reducer
+from .reducer import CommHook, GradBucket, Reducer, error_message
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 """Bytes of parameters or buffers per coalesced broadcast (torch DDP's broadcast_bucket_size)."""
@@ -108,7 +108,7 @@ class DistributedDataParallel(nn.Module):
                                find_unused_parameters, gradient_as_bucket_view)
 
     def _error(self, message: str) -> str:
-        return f"pyddp DistributedDataParallel: rank {self._rank}: {message}"
+        return error_message(self._rank, message)
 
     # --- construction ----------------------------------------------------------
 

@@ -61,6 +61,11 @@ The future's value is the reduced bucket: a tensor shaped like
 """
 
 
+def error_message(rank: int, message: str) -> str:
+    """A DDP error message, naming the rank (shared by the DDP and its reducer)."""
+    return f"pyddp DistributedDataParallel: rank {rank}: {message}"
+
+
 class GradBucket:
     """A bucket as a communication hook sees it (the API of ``torch.distributed.GradBucket``)."""
 
@@ -183,7 +188,7 @@ class Reducer:
             bucket.results = []
 
     def _error(self, message: str) -> str:
-        return f"pyddp DistributedDataParallel: rank {self._rank}: {message}"
+        return error_message(self._rank, message)
 
     # --- set-up ---------------------------------------------------------------
 
@@ -324,27 +329,32 @@ class Reducer:
             self._expect_hooks = False
             self._reset_backward()
 
+    def _describe(self, b: int) -> str:
+        """Bucket ``b`` in error messages, with its first parameters' names."""
+        indices = self._buckets[b].indices
+        return (f"bucket {b} (0-based, of {len(self._buckets)}) "
+                f"({', '.join(self._names[i] for i in indices[:3])}"
+                f"{', ...' if len(indices) > 3 else ''})")
+
     def _wait(self, b: int) -> Optional[torch.Tensor]:
         """Waits for bucket ``b``'s collectives; returns the comm hook's result, if any."""
         bucket = self._buckets[b]
-        what = (f"bucket {b} (0-based, of {len(self._buckets)}) "
-                f"({', '.join(self._names[i] for i in bucket.indices[:3])}"
-                f"{', ...' if len(bucket.indices) > 3 else ''})")
         try:
             values = [result.wait() for result in bucket.results]
         except Exception as error:
             raise RuntimeError(self._error(
-                f"the gradient all-reduce of {what} failed: {error}. Every rank must run the "
-                "same synchronised backward; a rank that raised or died part-way through its "
-                "backward never starts its remaining all-reduces")) from error
+                f"the gradient all-reduce of {self._describe(b)} failed: {error}. Every rank "
+                "must run the same synchronised backward; a rank that raised or died part-way "
+                "through its backward never starts its remaining all-reduces")) from error
         if self._hook is None:
             return None
         value = values[0]
         tensor = value[0] if isinstance(value, (list, tuple)) and value else value
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.buffer.numel():
             raise RuntimeError(self._error(
-                f"the communication hook's future for {what} holds {type(value).__name__}; "
-                f"expected a tensor of {bucket.buffer.numel()} elements like bucket.buffer()"))
+                f"the communication hook's future for {self._describe(b)} holds "
+                f"{type(value).__name__}; expected a tensor of {bucket.buffer.numel()} "
+                "elements like bucket.buffer()"))
         return tensor
 
     def _wait_used(self) -> Optional[List[int]]:

@@ -29,14 +29,6 @@ constexpr auto kMonitorPeriod = std::chrono::milliseconds(10);
 
 } // namespace
 
-void checkCuda(cudaError_t err, const std::string& what) {
-  if (err == cudaSuccess) return;
-  // Clear the error so that a later, unrelated check does not report it.
-  cudaGetLastError();
-  PYDDP_CHECK_COMM(false, what, " failed: ", cudaGetErrorName(err), ": ",
-                   cudaGetErrorString(err));
-}
-
 std::exception_ptr commError(const std::string& message) {
   try {
     PYDDP_CHECK_COMM(false, message);
@@ -50,8 +42,7 @@ std::exception_ptr commError(const std::string& message) {
 
 Event::Event(c10::DeviceIndex device) : device_(device) {
   c10::cuda::CUDAGuard guard(device);
-  checkCuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
-            c10::str("cudaEventCreate on cuda:", static_cast<int>(device)));
+  checkCuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
 }
 
 Event::~Event() {
@@ -276,8 +267,7 @@ void WorkMonitor::loop() {
     std::string why;
     try {
       // Event queries go to the backend's device: no context on device 0.
-      checkCuda(cudaSetDevice(device_),
-                c10::str("cudaSetDevice(", static_cast<int>(device_), ")"));
+      checkCuda(cudaSetDevice(device_), "cudaSetDevice to the monitor's device");
       dropCompleted();
       const auto now = Clock::now();
       for (const auto& w : pending_) {

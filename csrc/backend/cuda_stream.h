@@ -38,15 +38,13 @@
 #include <thread>
 #include <vector>
 
+#include "common/cuda_device.h"
 #include "common/types.h"
 
 namespace pyddp {
 namespace gpu {
 
 using Clock = std::chrono::steady_clock;
-
-// Throws DistBackendError "pyddp: <what> failed: <CUDA's message>".
-void checkCuda(cudaError_t err, const std::string& what);
 
 // A DistBackendError carrying `message` (prefixed "pyddp: "), for failing
 // a Work from another thread.

@@ -22,11 +22,6 @@ constexpr Ms kFinalizeTimeout(10000);
 
 constexpr const char* kStoreKey = "pyddp/nccl/unique_id";
 
-std::string messageOf(const std::exception& e) {
-  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
-  return c10Error ? c10Error->what_without_backtrace() : e.what();
-}
-
 // A tensor NCCL can use: the tensor itself when contiguous, else a
 // contiguous copy (made on the current, internal stream) whose result
 // copyBack() writes into the original.

@@ -20,13 +20,6 @@ constexpr const char* kBlobFailed = "!";
 // How often a device-mode shutdown looks whether the stream has drained.
 constexpr auto kDrainPoll = std::chrono::microseconds(200);
 
-// An error's message without the C++ backtrace c10 errors carry: it goes
-// into other errors and to the peers.
-std::string messageOf(const std::exception& e) {
-  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
-  return c10Error ? c10Error->what_without_backtrace() : e.what();
-}
-
 // All-gathers one string per rank through the store. A rank that never
 // publishes its key is named in the error.
 std::vector<std::string> exchange(c10d::Store& store, const std::string& key,
@@ -362,7 +355,7 @@ c10::intrusive_ptr<c10d::Work> RingBackend::submitToDevice(
   // Flag targets are fixed at enqueue: a replayed CUDA graph would wait on
   // stale ones.
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  gpu::checkCuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device_.index()).stream(),
+  checkCuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device_.index()).stream(),
                                        &capturing),
                  "cudaStreamIsCapturing");
   PYDDP_CHECK_VALUE(capturing == cudaStreamCaptureStatusNone, "rank ", rank_, ": ", what,

@@ -53,8 +53,6 @@ class RingBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return "pyddp"; }
   const RingOptions& options() const { return options_; }
   c10::Device device() const { return device_; }
-  // The transport's name: "shm" or "cuda_ipc".
-  std::string transportName() const { return transport_->name(); }
 
   // One collective each; returns at once when asyncOp, else when done.
   c10::intrusive_ptr<c10d::Work> allReduce(const at::Tensor& tensor, RedOp op,

@@ -5,6 +5,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <exception>
+#include <string>
+
 // A broken invariant inside pyddp or a failed system call: RuntimeError.
 #define PYDDP_CHECK(cond, ...) TORCH_CHECK(cond, "pyddp: ", __VA_ARGS__)
 // A bad argument from the caller: ValueError.
@@ -16,3 +19,14 @@
   if (C10_UNLIKELY_OR_CONST(!(cond))) {                               \
     C10_THROW_ERROR(DistBackendError, ::c10::str("pyddp: ", __VA_ARGS__)); \
   }
+
+namespace pyddp {
+
+// An error's message without the C++ backtrace c10 errors carry: for
+// messages that go into other errors and to the peers.
+inline std::string messageOf(const std::exception& e) {
+  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
+  return c10Error ? c10Error->what_without_backtrace() : e.what();
+}
+
+} // namespace pyddp

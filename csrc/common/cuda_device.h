@@ -1,10 +1,22 @@
-// Device selection that never throws, for destructors and teardown paths
-// of the CUDA parts (CUDA builds only).
+// CUDA error checks and device selection shared by the CUDA parts (CUDA
+// builds only).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include "common/check.h"
+
 namespace pyddp {
+
+// Throws DistBackendError "pyddp: <what> failed: <name>: <message>" unless
+// err is cudaSuccess, and clears CUDA's last error so that a later,
+// unrelated check does not report it. `what` is only read on failure.
+inline void checkCuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();
+  PYDDP_CHECK_COMM(false, what, " failed: ", cudaGetErrorName(err), ": ",
+                   cudaGetErrorString(err));
+}
 
 // Makes `device` current for a scope and restores the previous device.
 // Errors (say, the driver shutting down at exit) are ignored: callers are

@@ -32,6 +32,11 @@ enum class CollectiveKind : int32_t {
   Scatter = 7,
 };
 
+// v rounded up to a multiple of `to`.
+inline size_t roundUp(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
 inline size_t elementSize(DataType t) {
   switch (t) {
     case DataType::Float64:

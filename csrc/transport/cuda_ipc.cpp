@@ -23,14 +23,9 @@ constexpr size_t kWordStride = 64 / sizeof(int64_t);
 constexpr size_t kErrorWord = 0, kAbortWord = kWordStride, kOneWord = 2 * kWordStride;
 constexpr size_t kWordsBytes = 3 * 64;
 
-
+// checkCuda, naming this rank; the message is built only on failure.
 void cudaCheck(cudaError_t err, int rank, const char* what) {
-  PYDDP_CHECK_COMM(err == cudaSuccess, "rank ", rank, ": cuda_ipc: ", what, " failed: ",
-                   cudaGetErrorString(err));
-}
-
-size_t roundUp(size_t v, size_t to) {
-  return (v + to - 1) / to * to;
+  if (err != cudaSuccess) checkCuda(err, c10::str("rank ", rank, ": cuda_ipc: ", what).c_str());
 }
 
 // The control segment only agrees on collectives: no ring slots, no staging.
@@ -47,7 +42,6 @@ RingOptions controlOptions(const RingOptions& options) {
 struct IpcBlob {
   cudaIpcMemHandle_t handle;
   uint64_t token = 0;
-  size_t bytes = 0;
   size_t slotBytes = 0;
   int numSlots = 0;
   size_t stagingBytes = 0;
@@ -59,7 +53,7 @@ std::string encode(const IpcBlob& b) {
   for (size_t i = 0; i < sizeof(b.handle); ++i) {
     out << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(raw[i]);
   }
-  out << std::dec << ' ' << b.token << ' ' << b.bytes << ' ' << b.slotBytes << ' '
+  out << std::dec << ' ' << b.token << ' ' << b.slotBytes << ' '
       << b.numSlots << ' ' << b.stagingBytes;
   return out.str();
 }
@@ -68,7 +62,7 @@ IpcBlob decode(const std::string& text) {
   IpcBlob b;
   std::istringstream in(text);
   std::string hex;
-  in >> hex >> b.token >> b.bytes >> b.slotBytes >> b.numSlots >> b.stagingBytes;
+  in >> hex >> b.token >> b.slotBytes >> b.numSlots >> b.stagingBytes;
   PYDDP_CHECK(hex.size() == 2 * sizeof(b.handle) && !in.fail(),
               "malformed cuda_ipc bootstrap blob");
   auto* raw = reinterpret_cast<unsigned char*>(&b.handle);
@@ -93,6 +87,12 @@ std::string describeError(int64_t word, int rank, uint64_t timeoutNs) {
     default:
       return me + "unknown device error " + std::to_string(word);
   }
+}
+
+// The device error recorded in `words` (see deviceErrorProbe); "" while none.
+std::string readError(const std::shared_ptr<int64_t>& words, int rank, uint64_t timeoutNs) {
+  const int64_t word = words ? static_cast<volatile int64_t*>(words.get())[kErrorWord] : 0;
+  return describeError(word, rank, timeoutNs);
 }
 
 std::pair<std::string, std::string> split(const std::string& blob) {
@@ -142,11 +142,12 @@ CudaIpcTransport::~CudaIpcTransport() {
 
 std::string CudaIpcTransport::setup() {
   QuietDeviceGuard scope(device_);
-  bytes_ = sizeof(IpcHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * stagingBytes_;
+  const size_t bytes =
+      sizeof(IpcHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * stagingBytes_;
   void* base = nullptr;
-  cudaCheck(cudaMalloc(&base, bytes_), rank_, "cudaMalloc of the IPC buffer");
+  cudaCheck(cudaMalloc(&base, bytes), rank_, "cudaMalloc of the IPC buffer");
   bases_[rank_] = static_cast<char*>(base);
-  cudaCheck(cudaMemset(base, 0, bytes_), rank_, "clearing the IPC buffer");
+  cudaCheck(cudaMemset(base, 0, bytes), rank_, "clearing the IPC buffer");
   std::random_device entropy;
   token_ = (static_cast<uint64_t>(entropy()) << 32) | entropy();
   cudaCheck(cudaMemcpy(&header(rank_)->token, &token_, sizeof(token_), cudaMemcpyHostToDevice),
@@ -170,7 +171,6 @@ std::string CudaIpcTransport::setup() {
   IpcBlob b;
   cudaCheck(cudaIpcGetMemHandle(&b.handle, base), rank_, "cudaIpcGetMemHandle");
   b.token = token_;
-  b.bytes = bytes_;
   b.slotBytes = slotBytes_;
   b.numSlots = numSlots_;
   b.stagingBytes = stagingBytes_;
@@ -236,20 +236,19 @@ void CudaIpcTransport::connected() {
 
 std::function<std::string()> CudaIpcTransport::deviceErrorProbe() const {
   return [words = hostWords_, rank = rank_, timeoutNs = timeoutNs_] {
-    const int64_t word = words ? static_cast<volatile int64_t*>(words.get())[kErrorWord] : 0;
-    return describeError(word, rank, timeoutNs);
+    return readError(words, rank, timeoutNs);
   };
 }
 
 std::string CudaIpcTransport::asyncError() const {
-  const std::string failed = deviceErrorProbe()();
+  const std::string failed = readError(hostWords_, rank_, timeoutNs_);
   if (!failed.empty()) return failed;
   const std::string dead = control_->deadPeer();
   return dead.empty() ? "" : "rank " + std::to_string(rank_) + ": cuda_ipc: " + dead;
 }
 
 void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
-  const std::string failed = deviceErrorProbe()();
+  const std::string failed = readError(hostWords_, rank_, timeoutNs_);
   PYDDP_CHECK_COMM(failed.empty(), failed);
   control_->enter(desc, deadline);
 }

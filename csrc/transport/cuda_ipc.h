@@ -121,7 +121,6 @@ class CudaIpcTransport final : public Transport,
   std::unique_ptr<shm::ShmTransport> control_;
 
   uint64_t token_ = 0;
-  size_t bytes_ = 0;
   std::vector<char*> bases_;  // by rank: own cudaMalloc, then mapped peers
   // Host-mapped words (see SharedWords) and a pinned 1 for sideStream_;
   // shared with the probes handed to Works.

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "common/cuda_device.h"
 #include "kernels/cuda.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
@@ -33,15 +34,9 @@ constexpr const char* kInitHint =
     " (every rank must create the group within its timeout; several ranks on one GPU need "
     "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL_DEBUG=WARN prints NCCL's reasons)";
 
-size_t roundUp(size_t v, size_t to) {
-  return (v + to - 1) / to * to;
-}
-
+// checkCuda, naming this rank; the message is built only on failure.
 void cudaCheck(cudaError_t err, int rank, const char* what) {
-  if (err == cudaSuccess) return;
-  cudaGetLastError();  // clear it, so that a later, unrelated check does not report it
-  PYDDP_CHECK_COMM(false, "rank ", rank, ": ", what, " failed: ", cudaGetErrorName(err), ": ",
-                   cudaGetErrorString(err));
+  if (err != cudaSuccess) checkCuda(err, c10::str("rank ", rank, ": nccl: ", what).c_str());
 }
 
 std::string toHex(const std::string& bytes) {

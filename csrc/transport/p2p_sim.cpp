@@ -15,11 +15,6 @@ namespace pyddp {
 namespace p2p {
 namespace {
 
-std::string messageOf(const std::exception& e) {
-  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
-  return c10Error ? c10Error->what_without_backtrace() : e.what();
-}
-
 // The ranks' links and one MAX all-reduce, under one mutex. Operations on
 // link r (rank r -> rank r+1) are matched by order: send #k with receive
 // #k. Whichever of the two is posted second checks the sizes and copies.

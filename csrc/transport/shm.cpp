@@ -43,10 +43,6 @@ inline void cpuRelax() {
 #endif
 }
 
-size_t roundUp(size_t v, size_t to) {
-  return (v + to - 1) / to * to;
-}
-
 std::string readFirstLine(const char* path) {
   std::ifstream f(path);
   std::string line;
