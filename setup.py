@@ -1,4 +1,4 @@
-"""Builds pyddp._C against the installed torch.
+"""Builds pyddp._C against the installed torch (metadata: pyproject.toml).
 
 Which extension:
 - CUDAExtension, with the CUDA and NCCL parts, when torch is a CUDA build,
@@ -8,11 +8,13 @@ Which extension:
 - CppExtension (CPU only) otherwise, with a warning saying why when torch is
   a CUDA build.
 PYDDP_BUILD_CUDA=0/1 forces the choice (1 fails loudly when a CUDA build is
-impossible). DEBUG=1 builds -O0 -g with assertions.
+impossible). DEBUG=1 builds -O0 -g with assertions. PYDDP_BUILD_TESTING=0
+leaves out csrc/testing/ (the _testing submodule pyddp's tests use).
 
-CUDA-only sources: every .cu file, and the .cpp files whose name starts with
-"cuda" or "nccl" (csrc/backend/cuda_stream.cpp, csrc/transport/nccl.cpp,
-...). CUDA builds define PYDDP_WITH_CUDA.
+Sources: every .cpp under csrc/, except the CUDA-only ones listed in
+CUDA_SOURCES (with every .cu file) outside CUDA builds, and csrc/testing/
+when testing is off. CUDA builds define PYDDP_WITH_CUDA, testing builds
+PYDDP_WITH_TESTING.
 
 NCCL: the one torch itself loads, from the nvidia-nccl-cu13 wheel
 (site-packages/nvidia/nccl/{include,lib}); PYDDP_NCCL_HOME=<dir with
@@ -39,13 +41,27 @@ if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
 import torch  # noqa: E402
-from setuptools import find_packages, setup  # noqa: E402
+from setuptools import setup  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
-CUDA_ONLY_PREFIXES = ("cuda", "nccl")
+TESTING = os.environ.get("PYDDP_BUILD_TESTING", "1") != "0"
 NCCL_LIB = "libnccl.so.2"
+# The .cpp files that need CUDA or NCCL (every .cu file does too).
+CUDA_SOURCES = {
+    os.path.join("csrc", *path.split("/"))
+    for path in (
+        "backend/cuda_stream.cpp",
+        "backend/cuda_work.cpp",
+        "backend/device_executor.cpp",
+        "backend/nccl_engine.cpp",
+        "backend/work_monitor.cpp",
+        "transport/cuda_ipc.cpp",
+        "transport/nccl_comm.cpp",
+        "transport/nccl_transport.cpp",
+    )
+}
 
 
 def nvcc_version(cuda_home: str):
@@ -123,12 +139,16 @@ def default_arch_list():
     return ";".join(archs) + "+PTX" if archs else "9.0"
 
 
-def sources(cuda: bool) -> list:
+def sources(cuda: bool, testing: bool) -> list:
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    if cuda:
-        return cpp + cu
-    return [s for s in cpp if not os.path.basename(s).startswith(CUDA_ONLY_PREFIXES)]
+    missing = CUDA_SOURCES - set(cpp)
+    if missing:
+        raise RuntimeError(f"setup.py: CUDA_SOURCES names files that do not exist: {sorted(missing)}")
+    chosen = cpp + cu if cuda else [s for s in cpp if s not in CUDA_SOURCES]
+    if not testing:
+        chosen = [s for s in chosen if not s.startswith(os.path.join("csrc", "testing") + os.sep)]
+    return chosen
 
 
 def extension():
@@ -138,9 +158,10 @@ def extension():
     cxx = ["-std=c++20", *opt, "-Wall", "-Wno-unused-parameter"]
     kwargs = dict(
         name="pyddp._C",
-        sources=sources(cuda),
+        sources=sources(cuda, TESTING),
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
+        define_macros=[("PYDDP_WITH_TESTING", "1")] if TESTING else [],
     )
     if not cuda:
         return cpp_extension.CppExtension(**kwargs)
@@ -150,18 +171,14 @@ def extension():
     nccl_inc, nccl_lib = nccl
     kwargs["include_dirs"].append(nccl_inc)
     kwargs["extra_compile_args"]["nvcc"] = ["-std=c++20", *opt]
-    kwargs["define_macros"] = [("PYDDP_WITH_CUDA", "1")]
+    kwargs["define_macros"].append(("PYDDP_WITH_CUDA", "1"))
     kwargs["extra_link_args"] = [f"-L{nccl_lib}", f"-l:{NCCL_LIB}", f"-Wl,-rpath,{nccl_lib}"]
     return cpp_extension.CUDAExtension(**kwargs)
 
 
+# The package's metadata and extras are in pyproject.toml; this file adds
+# the extension.
 setup(
-    name="pyddp",
-    version="0.1.0",
-    description="Collective communication and DDP for PyTorch: shared memory, CUDA IPC, NCCL",
-    packages=find_packages(include=["pyddp", "pyddp.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
-    python_requires=">=3.9",
-    install_requires=["torch"],
 )

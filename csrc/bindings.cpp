@@ -1,368 +1,43 @@
-// The only pybind11 file: pyddp._C. It sees backend/ (and, for the
-// _testing submodule, the pure schedule and kernel helpers). Every call
-// that can wait releases the GIL.
+// The only pybind11 file of pyddp._C's public face: options, the engines
+// (bound once, through their base class) and the registry that makes them.
+// It sees backend/ and common/ only. Every call that can wait releases the
+// GIL. The test-only helpers live in csrc/testing/.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
+#include <torch/version.h>
 
-#include "algorithms/schedule.h"
-#include "backend/ring_backend.h"
+#include "backend/engine_registry.h"
+#include "backend/ring_engine.h"
 #include "common/check.h"
-#include "kernels/cpu.h"
-#include "kernels/emulate.h"
-#include "transport/ipc_protocol.h"
-#include "transport/shm.h"
+#include "common/config.h"
 
 #ifdef PYDDP_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "kernels/cuda.h"
+#include "backend/nccl_engine.h"
 #endif
 
-#include <sys/stat.h>
-
-// NCCL's backend and the simulation of its ring transport.
-#include "transport/p2p_sim.h"
-#ifdef PYDDP_WITH_CUDA
-#include "backend/nccl_backend.h"
+#ifdef PYDDP_WITH_TESTING
+#include "testing/bind.h"
 #endif
 
 namespace py = pybind11;
 using namespace pyddp;
 
-namespace {
-
-DataType dtypeOf(const at::Tensor& t) {
-  const auto d = dataTypeOf(t.scalar_type());
-  PYDDP_CHECK_TYPE(d.has_value(), "unsupported dtype ", t.scalar_type());
-  return *d;
-}
-
-void bindTesting(py::module_& m) {
-  auto t = m.def_submodule(
-      "_testing", "Pure helpers exposed for unit tests; not a public API.");
-  t.def("balanced_block", [](size_t count, int n, int b) {
-    const auto r = schedule::balancedBlock(count, n, b);
-    return std::make_pair(r.begin, r.count);
-  });
-  t.def("send_block", &schedule::sendBlock);
-  t.def("recv_block", &schedule::recvBlock);
-  t.def("piece", [](size_t count, size_t pieceElems, size_t p) {
-    const auto r = schedule::piece(count, pieceElems, p);
-    return std::make_pair(r.begin, r.count);
-  });
-  t.def("num_pieces", &schedule::numPieces);
-  t.def("chain_position", &schedule::chainPosition);
-  // The CPU kernels over contiguous tensors; partials are float32 for half
-  // types and the element type otherwise.
-  auto partialLike = [](const at::Tensor& local) {
-    const bool half = local.scalar_type() == at::kHalf || local.scalar_type() == at::kBFloat16;
-    return at::empty(local.sizes(), local.options().dtype(half ? at::kFloat : local.scalar_type()));
-  };
-  t.def("to_partial", [=](at::Tensor local) {
-    auto out = partialLike(local);
-    kernels::toPartial({dtypeOf(local), RedOp::Sum, 1}, out.data_ptr(), local.data_ptr(),
-                       local.numel());
-    return out;
-  });
-  t.def("reduce_partial", [=](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
-    auto out = partialLike(local);
-    kernels::reducePartial({dtypeOf(local), op, worldSize}, out.data_ptr(),
-                           partial.data_ptr(), local.data_ptr(), local.numel());
-    return out;
-  });
-  t.def("reduce_final", [](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
-    auto out = at::empty_like(local), out2 = at::empty_like(local);
-    kernels::reduceFinal({dtypeOf(local), op, worldSize}, out.data_ptr(), out2.data_ptr(),
-                         partial.data_ptr(), local.data_ptr(), local.numel());
-    return std::make_pair(out, out2);
-  });
-  // Creates one shm segment as a group's bootstrap does, reports its name and
-  // permission bits, and destroys it without ever connecting.
-  t.def("probe_shm_segment", [] {
-    shm::ShmTransport transport(0, 2, RingOptions::fromEnv());
-    const std::string blob = transport.setup();
-    const std::string name = blob.substr(0, blob.find('\n'));
-    struct stat st {};
-    PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
-    return std::make_pair(name, static_cast<int>(st.st_mode & 0777));
-  });
-  // The cuda_ipc wait decision, exactly as its kernels make it: None to
-  // keep waiting, else (error code, rank to blame), code 0 for satisfied.
-  t.def("ipc_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
-                               int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
-                               int32_t peer) -> std::optional<std::pair<int, int>> {
-    const int64_t v =
-        ipc::waitVerdict(flag, target, peerFailed, abortWord, elapsedNs, timeoutNs, peer);
-    if (v < 0) return std::nullopt;
-    return std::make_pair(static_cast<int>(ipc::errorCode(v)), v ? ipc::errorRank(v) : -1);
-  });
-  t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
-    auto out = at::empty_like(srcs.at(0));
-    std::vector<const void*> ptrs;
-    for (auto& s : srcs) ptrs.push_back(s.data_ptr());
-    kernels::reduceN({dtypeOf(srcs[0]), op, worldSize}, out.data_ptr(), ptrs.data(),
-                     static_cast<int>(ptrs.size()), out.numel());
-    return out;
-  });
-
-  // The grid kernels (kernels/elementwise.h) over caller-made tensors: views
-  // at any offset (misaligned operands) or one tensor passed twice (in
-  // place). emulated_* run them over an emulated (blocks, threads) grid on
-  // CPU tensors and return (width, head, packs), the split they used;
-  // cuda_* run the CUDA kernels on the current stream. The checks keep a
-  // wrong test from writing out of bounds.
-  auto accType = [](const at::Tensor& elems) {
-    const auto s = elems.scalar_type();
-    return s == at::kHalf || s == at::kBFloat16 ? at::kFloat : s;
-  };
-  auto expect = [](const at::Tensor& x, at::ScalarType dtype, int64_t numel, c10::Device device,
-                   const char* what) {
-    PYDDP_CHECK_VALUE(x.scalar_type() == dtype && x.numel() == numel && x.is_contiguous() &&
-                          x.device() == device,
-                      what, ": expected a contiguous ", dtype, " tensor of ", numel,
-                      " elements on ", device, ", got ", x.scalar_type(), " of ", x.numel(),
-                      " on ", x.device());
-  };
-  auto checkToPartial = [=](const at::Tensor& dst, const at::Tensor& src, c10::Device device) {
-    expect(src, src.scalar_type(), src.numel(), device, "src");
-    expect(dst, accType(src), src.numel(), device, "dst");
-  };
-  auto checkReducePartial = [=](const at::Tensor& dst, const at::Tensor& partial,
-                                const at::Tensor& local, c10::Device device) {
-    expect(local, local.scalar_type(), local.numel(), device, "local");
-    expect(partial, accType(local), local.numel(), device, "partial");
-    expect(dst, accType(local), local.numel(), device, "dst");
-  };
-  auto checkReduceFinal = [=](const at::Tensor& dst, const std::optional<at::Tensor>& dst2,
-                              const at::Tensor& partial, const at::Tensor& local,
-                              c10::Device device) {
-    expect(local, local.scalar_type(), local.numel(), device, "local");
-    expect(partial, accType(local), local.numel(), device, "partial");
-    expect(dst, local.scalar_type(), local.numel(), device, "dst");
-    if (dst2) expect(*dst2, local.scalar_type(), local.numel(), device, "dst2");
-  };
-  auto checkReduceN = [=](const at::Tensor& dst, const std::vector<at::Tensor>& srcs,
-                          c10::Device device) {
-    PYDDP_CHECK_VALUE(!srcs.empty(), "reduce_n needs at least one source");
-    for (const auto& s : srcs) expect(s, dst.scalar_type(), dst.numel(), device, "src");
-    expect(dst, dst.scalar_type(), dst.numel(), device, "dst");
-  };
-  auto checkCopy = [=](const at::Tensor& dst, const std::optional<at::Tensor>& dst2,
-                       const at::Tensor& src, c10::Device device) {
-    expect(src, src.scalar_type(), src.numel(), device, "src");
-    expect(dst, src.scalar_type(), src.numel(), device, "dst");
-    if (dst2) expect(*dst2, src.scalar_type(), src.numel(), device, "dst2");
-  };
-  auto ptrs = [](const std::vector<at::Tensor>& ts) {
-    std::vector<const void*> out;
-    for (const auto& x : ts) out.push_back(x.data_ptr());
-    return out;
-  };
-  auto ptrOr = [](const std::optional<at::Tensor>& t) { return t ? t->data_ptr() : nullptr; };
-
-  using Shape = std::pair<uint32_t, uint32_t>;
-  auto shape = [](const Shape& g) { return kernels::emulated::Grid{g.first, g.second}; };
-  auto split = [](const kernels::emulated::Launched& l) {
-    return std::make_tuple(l.width, l.head, l.packs);
-  };
-  const c10::Device cpu(c10::kCPU);
-  t.def("emulated_to_partial", [=](const Shape& g, at::Tensor dst, at::Tensor src) {
-    checkToPartial(dst, src, cpu);
-    return split(kernels::emulated::toPartial(shape(g), {dtypeOf(src), RedOp::Sum, 1},
-                                              dst.data_ptr(), src.data_ptr(), src.numel()));
-  });
-  t.def("emulated_reduce_partial", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
-                                       at::Tensor partial, at::Tensor local) {
-    checkReducePartial(dst, partial, local, cpu);
-    return split(kernels::emulated::reducePartial(shape(g), {dtypeOf(local), op, worldSize},
-                                                  dst.data_ptr(), partial.data_ptr(),
-                                                  local.data_ptr(), local.numel()));
-  });
-  t.def("emulated_reduce_final", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
-                                     std::optional<at::Tensor> dst2, at::Tensor partial,
-                                     at::Tensor local) {
-    checkReduceFinal(dst, dst2, partial, local, cpu);
-    return split(kernels::emulated::reduceFinal(shape(g), {dtypeOf(local), op, worldSize},
-                                                dst.data_ptr(), ptrOr(dst2), partial.data_ptr(),
-                                                local.data_ptr(), local.numel()));
-  });
-  t.def("emulated_reduce_n", [=](const Shape& g, RedOp op, int worldSize, at::Tensor dst,
-                                 std::vector<at::Tensor> srcs) {
-    checkReduceN(dst, srcs, cpu);
-    const auto src = ptrs(srcs);
-    return split(kernels::emulated::reduceN(shape(g), {dtypeOf(dst), op, worldSize},
-                                            dst.data_ptr(), src.data(),
-                                            static_cast<int>(src.size()), dst.numel()));
-  });
-  t.def("emulated_copy", [=](const Shape& g, at::Tensor dst, std::optional<at::Tensor> dst2,
-                             at::Tensor src) {
-    checkCopy(dst, dst2, src, cpu);
-    return split(kernels::emulated::copy(shape(g), dst.data_ptr(), ptrOr(dst2), src.data_ptr(),
-                                         src.nbytes()));
-  });
-
-#ifdef PYDDP_WITH_CUDA
-  t.attr("has_cuda_kernels") = true;
-  auto gpu = [](const at::Tensor& x) {
-    PYDDP_CHECK_VALUE(x.is_cuda(), "expected a CUDA tensor, got one on ", x.device());
-    return x.device();
-  };
-  auto stream = [](c10::Device device) {
-    return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  };
-  t.def("cuda_to_partial", [=](at::Tensor dst, at::Tensor src) {
-    checkToPartial(dst, src, gpu(src));
-    const c10::cuda::CUDAGuard guard(src.device());
-    kernels::cuda::toPartial({dtypeOf(src), RedOp::Sum, 1}, dst.data_ptr(), src.data_ptr(),
-                             src.numel(), stream(src.device()));
-  });
-  t.def("cuda_reduce_partial", [=](RedOp op, int worldSize, at::Tensor dst, at::Tensor partial,
-                                   at::Tensor local) {
-    checkReducePartial(dst, partial, local, gpu(local));
-    const c10::cuda::CUDAGuard guard(local.device());
-    kernels::cuda::reducePartial({dtypeOf(local), op, worldSize}, dst.data_ptr(),
-                                 partial.data_ptr(), local.data_ptr(), local.numel(),
-                                 stream(local.device()));
-  });
-  t.def("cuda_reduce_final", [=](RedOp op, int worldSize, at::Tensor dst,
-                                 std::optional<at::Tensor> dst2, at::Tensor partial,
-                                 at::Tensor local) {
-    checkReduceFinal(dst, dst2, partial, local, gpu(local));
-    const c10::cuda::CUDAGuard guard(local.device());
-    kernels::cuda::reduceFinal({dtypeOf(local), op, worldSize}, dst.data_ptr(), ptrOr(dst2),
-                               partial.data_ptr(), local.data_ptr(), local.numel(),
-                               stream(local.device()));
-  });
-  t.def("cuda_reduce_n", [=](RedOp op, int worldSize, at::Tensor dst,
-                             std::vector<at::Tensor> srcs) {
-    checkReduceN(dst, srcs, gpu(dst));
-    const c10::cuda::CUDAGuard guard(dst.device());
-    const auto src = ptrs(srcs);
-    kernels::cuda::reduceN({dtypeOf(dst), op, worldSize}, dst.data_ptr(), src.data(),
-                           static_cast<int>(src.size()), dst.numel(), stream(dst.device()));
-  });
-  t.def("cuda_copy", [=](at::Tensor dst, std::optional<at::Tensor> dst2, at::Tensor src) {
-    checkCopy(dst, dst2, src, gpu(src));
-    const c10::cuda::CUDAGuard guard(src.device());
-    kernels::cuda::copy(dst.data_ptr(), ptrOr(dst2), src.data_ptr(), src.nbytes(),
-                        stream(src.device()));
-  });
-  // Launches the copy kernel between two host buffers where no GPU is usable
-  // (refused otherwise), so that a CPU machine sees a failed launch turn into
-  // an exception.
-  t.def("cuda_copy_without_gpu", [] {
-    int devices = 0;
-    PYDDP_CHECK_VALUE(cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0,
-                      "cuda_copy_without_gpu only runs where no GPU is usable; found ", devices);
-    std::vector<uint64_t> src(128, 1), dst(128, 0);
-    kernels::cuda::copy(dst.data(), nullptr, src.data(), src.size() * sizeof(uint64_t), nullptr);
-  });
-#else
-  t.attr("has_cuda_kernels") = false;
-#endif
-}
-
-// The NCCL backend (CUDA builds only), whether the build has CUDA, and the
-// CPU simulation of the NCCL ring transport's verbs (p2p_sim.h).
-void bindNccl(py::module_& m) {
-#ifdef PYDDP_WITH_CUDA
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
   const auto release = py::call_guard<py::gil_scoped_release>();
+
+  // What the import-time check compares with the running torch.
+  m.attr("torch_version") = TORCH_VERSION;
+#ifdef PYDDP_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("nccl_version", [] {
     const auto v = nccl::version();
     return py::make_tuple(v[0], v[1], v[2]);
   }, "The NCCL library's version: (major, minor, patch).");
-  py::class_<NcclBackend, c10d::Backend, c10::intrusive_ptr<NcclBackend>>(m, "NcclBackend")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       int64_t timeoutMs, int device) {
-             return c10::make_intrusive<NcclBackend>(store, rank, size,
-                                                     std::chrono::milliseconds(timeoutMs), device);
-           }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
-           py::arg("device"), release)
-      .def("all_reduce", &NcclBackend::allReduce, py::arg("tensor"), py::arg("op"),
-           py::arg("async_op"), release)
-      .def("all_gather_single", &NcclBackend::allGatherSingle, py::arg("output"),
-           py::arg("input"), py::arg("async_op"), release)
-      .def("all_gather", &NcclBackend::allGatherList, py::arg("tensor_list"),
-           py::arg("tensor"), py::arg("async_op"), release)
-      .def("broadcast", &NcclBackend::broadcastFrom, py::arg("tensor"), py::arg("src"),
-           py::arg("async_op"), release)
-      .def("reduce_scatter_single", &NcclBackend::reduceScatterSingle, py::arg("output"),
-           py::arg("input"), py::arg("op"), py::arg("async_op"), release)
-      .def("barrier", &NcclBackend::barrierAll, py::arg("async_op"), release)
-      .def("shutdown", &NcclBackend::shutdown, release)
-      .def_property_readonly("device", [](const NcclBackend& b) { return b.device().index(); })
-      .def_property_readonly("timeout_ms",
-                             [](const NcclBackend& b) { return b.timeout().count(); });
 #else
   m.attr("has_cuda") = false;
 #endif
-
-  auto t = py::reinterpret_borrow<py::module_>(m.attr("_testing"));
-  // One collective on simulated ranks (threads) through the NCCL ring
-  // transport's verbs; returns (outputs, per-rank error messages).
-  t.def("p2p_ring", [](const std::string& kind, const std::vector<at::Tensor>& inputs,
-                       const std::vector<RedOp>& ops, size_t pieceBytes, int root,
-                       bool inPlace, int repeats, bool flush, const std::vector<uint64_t>& seqs,
-                       int64_t timeoutMs) {
-    const std::map<std::string, CollectiveKind> kinds = {
-        {"all_reduce", CollectiveKind::AllReduce}, {"all_gather", CollectiveKind::AllGather},
-        {"reduce_scatter", CollectiveKind::ReduceScatter},
-        {"broadcast", CollectiveKind::Broadcast}, {"barrier", CollectiveKind::Barrier}};
-    PYDDP_CHECK_VALUE(kinds.count(kind), "unknown collective '", kind, "'");
-    const CollectiveKind k = kinds.at(kind);
-    const size_t n = inputs.size();
-    PYDDP_CHECK_VALUE(n >= 1 && ops.size() == n && (seqs.empty() || seqs.size() == n),
-                      "p2p_ring: one input and one op (and seq) per rank");
-    PYDDP_CHECK_VALUE(!inPlace || k == CollectiveKind::AllReduce,
-                      "p2p_ring: in_place is for all_reduce");
-    std::vector<at::Tensor> ins, outs;
-    std::vector<CollectiveDesc> descs(n);
-    std::vector<kernels::ReduceSpec> specs;
-    std::vector<const void*> inPtrs;
-    std::vector<void*> outPtrs;
-    for (size_t r = 0; r < n; ++r) {
-      const at::Tensor in = inputs[r].contiguous();
-      const DataType dtype = dtypeOf(in);
-      const size_t count = k == CollectiveKind::ReduceScatter ? in.numel() / n : in.numel();
-      at::Tensor out = k == CollectiveKind::AllGather
-          ? at::empty({static_cast<int64_t>(count * n)}, in.options())
-          : k == CollectiveKind::ReduceScatter
-          ? at::empty({static_cast<int64_t>(count)}, in.options())
-          : k == CollectiveKind::Broadcast || inPlace ? in.clone() : at::empty_like(in);
-      descs[r].seq = seqs.empty() ? 1 : seqs[r];
-      descs[r].count = count;
-      descs[r].kind = k;
-      descs[r].dtype = dtype;
-      descs[r].op = ops[r];
-      descs[r].root = k == CollectiveKind::Broadcast ? root : -1;
-      descs[r].algo = static_cast<int32_t>(Algo::Ring);
-      specs.push_back({dtype, ops[r], static_cast<int>(n)});
-      inPtrs.push_back(inPlace ? out.data_ptr() : in.data_ptr());
-      outPtrs.push_back(out.data_ptr());
-      ins.push_back(in);
-      outs.push_back(out);
-    }
-    std::vector<std::string> errors;
-    {
-      py::gil_scoped_release noGil;
-      errors = p2p::simulateRing(descs, specs, inPtrs, outPtrs, pieceBytes, repeats, flush,
-                                 std::chrono::milliseconds(timeoutMs));
-    }
-    return std::make_pair(outs, errors);
-  }, py::arg("kind"), py::arg("inputs"), py::arg("ops"), py::arg("piece_bytes"),
-     py::arg("root") = 0, py::arg("in_place") = false, py::arg("repeats") = 1,
-     py::arg("flush") = true, py::arg("seqs") = std::vector<uint64_t>{},
-     py::arg("timeout_ms") = 10000);
-}
-
-} // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
 
   py::enum_<RedOp>(m, "RedOp")
       .value("SUM", RedOp::Sum)
@@ -371,7 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("MIN", RedOp::Min)
       .value("MAX", RedOp::Max);
 
-  py::enum_<Algo>(m, "Algo")
+  py::enum_<Algo>(m, "Algo", "How an all-reduce runs: by size (AUTO), or forced.")
       .value("AUTO", Algo::Auto)
       .value("RING", Algo::Ring)
       .value("DIRECT", Algo::Direct)
@@ -390,27 +65,54 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
 
-  const auto release = py::call_guard<py::gil_scoped_release>();
-  py::class_<RingBackend, c10d::Backend, c10::intrusive_ptr<RingBackend>>(m, "RingBackend")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const RingOptions&,
-                    c10::Device, const std::string&>(),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
-           py::arg("device") = c10::Device(c10::kCPU), py::arg("transport") = "", release)
-      .def("all_reduce", &RingBackend::allReduce, py::arg("tensor"), py::arg("op"),
+  py::class_<Engine, c10d::Backend, c10::intrusive_ptr<Engine>>(
+      m, "Engine", "Runs a group's collectives for the tensors of one device.")
+      .def("all_reduce", &Engine::allReduce, py::arg("tensor"), py::arg("op"),
            py::arg("async_op"), release)
-      .def("all_gather_single", &RingBackend::allGatherSingle, py::arg("output"),
-           py::arg("input"), py::arg("async_op"), release)
-      .def("all_gather", &RingBackend::allGatherList, py::arg("tensor_list"),
-           py::arg("tensor"), py::arg("async_op"), release)
-      .def("broadcast", &RingBackend::broadcastFrom, py::arg("tensor"), py::arg("src"),
+      .def("all_gather_single", &Engine::allGatherSingle, py::arg("output"), py::arg("input"),
            py::arg("async_op"), release)
-      .def("reduce_scatter_single", &RingBackend::reduceScatterSingle, py::arg("output"),
+      .def("all_gather", &Engine::allGatherList, py::arg("tensor_list"), py::arg("tensor"),
+           py::arg("async_op"), release)
+      .def("broadcast", &Engine::broadcastFrom, py::arg("tensor"), py::arg("src"),
+           py::arg("async_op"), release)
+      .def("reduce_scatter_single", &Engine::reduceScatterSingle, py::arg("output"),
            py::arg("input"), py::arg("op"), py::arg("async_op"), release)
-      .def("barrier", &RingBackend::barrierAll, py::arg("async_op"), release)
-      .def("shutdown", &RingBackend::shutdown, release)
-      .def_property_readonly("options", &RingBackend::options)
-      .def_property_readonly("device", &RingBackend::device);
+      .def("barrier", &Engine::barrierAll, py::arg("async_op"), release)
+      .def("reduce", &Engine::reduceTo, py::arg("tensor"), py::arg("op"), py::arg("dst"),
+           py::arg("async_op"), release)
+      .def("gather", &Engine::gatherTo, py::arg("gather_list"), py::arg("tensor"),
+           py::arg("dst"), py::arg("async_op"), release)
+      .def("scatter", &Engine::scatterFrom, py::arg("tensor"), py::arg("scatter_list"),
+           py::arg("src"), py::arg("async_op"), release)
+      .def("shutdown", &Engine::shutdown, release)
+      .def_property_readonly("device", &Engine::device)
+      .def_property_readonly("transport", &Engine::transport);
 
-  bindTesting(m);
-  bindNccl(m);
+  py::class_<RingEngine, Engine, c10::intrusive_ptr<RingEngine>>(
+      m, "RingEngine", "pyddp's ring and direct algorithms over a transport.")
+      .def_property_readonly("options", &RingEngine::options);
+#ifdef PYDDP_WITH_CUDA
+  py::class_<NcclEngine, Engine, c10::intrusive_ptr<NcclEngine>>(
+      m, "NcclEngine", "NCCL's own collectives.")
+      .def_property_readonly("timeout_ms", [](const NcclEngine& e) { return e.timeout().count(); });
+#endif
+
+  m.def("backend_names", &backendNames, "The backend names this build serves.");
+  m.def("device_types_of", &deviceTypesOf, py::arg("backend"),
+        "The device types (\"cpu\", \"cuda\") a group of `backend` serves.");
+  m.def(
+      "make_engine",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const RingOptions& options, c10::Device device, const std::string& backend) {
+        EngineChoice choice = makeEngine(store, rank, size, options, device, backend);
+        return std::make_pair(choice.engine, choice.refusals);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("device"),
+      py::arg("backend"), release,
+      "(engine, refusals): the engine of `backend` for `device`, and why each candidate "
+      "before it was passed over.");
+
+#ifdef PYDDP_WITH_TESTING
+  testing::bindTesting(m);
+#endif
 }

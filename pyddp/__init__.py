@@ -1,10 +1,11 @@
 """pyddp: collective communication for PyTorch.
 
-Ring and direct collectives in C++ over shared memory (CPU tensors, one
-host), with ``torch.distributed``'s names::
+Ring and direct collectives in C++ and CUDA: over shared memory for CPU
+tensors on one host, over CUDA IPC for GPU tensors on one host, and over
+NCCL for GPU tensors across hosts, with ``torch.distributed``'s names::
 
     import pyddp
-    pyddp.init_process_group("shm", init_method="env://")
+    pyddp.init_process_group("auto", init_method="env://")
     pyddp.all_reduce(tensor)              # in place, SUM
     work = pyddp.all_reduce(tensor, async_op=True)
     work.wait()
@@ -16,13 +17,29 @@ Importing pyddp also registers the ``torch.distributed`` backend ``"pyddp"``::
 
 import logging as _logging
 
+import torch as _torch
+
 # torch.distributed registers the c10d types (Store, Backend, Work) that
 # pyddp._C builds on; it must be imported first.
 import torch.distributed as _dist  # noqa: F401
 
-from . import _C
-from .process_group import (
+from ._version import __version__
+
+_REBUILD = ("rebuild pyddp against the torch that runs it: `python -m pip install "
+            "--no-build-isolation -e .` (or `python setup.py build_ext --inplace`) in pyddp's "
+            "source tree")
+try:
+    from . import _C
+except ImportError as _error:
+    raise ImportError(f"pyddp's C++ extension does not load with torch {_torch.__version__} "
+                      f"({_error}); {_REBUILD}") from _error
+if _C.torch_version != _torch.__version__.split("+")[0]:
+    raise ImportError(f"pyddp's C++ extension was built against torch {_C.torch_version}, but "
+                      f"torch {_torch.__version__} is running; {_REBUILD}")
+
+from .process_group import (  # noqa: E402
     BACKENDS,
+    Algo,
     ProcessGroup,
     ReduceOp,
     RingOptions,
@@ -44,8 +61,14 @@ from .process_group import (
     reduce_scatter_tensor,
     register_torch_backend,
 )
-from .ddp import DistributedDataParallel
-from .rendezvous import local_rank
+from .ddp import DistributedDataParallel  # noqa: E402
+from .rendezvous import local_rank  # noqa: E402
+
+
+def has_cuda() -> bool:
+    """Whether this build of pyddp has its CUDA and NCCL parts (a CUDA build of torch and nvcc
+    at build time); whether a GPU is present is torch.cuda.is_available()'s question."""
+    return bool(_C.has_cuda)
 
 
 def _configure_logging(level: str) -> None:
@@ -66,6 +89,7 @@ _configure_logging(_C.settings().get("PYDDP_DEBUG", ""))
 register_torch_backend()
 
 __all__ = [
+    "Algo",
     "BACKENDS",
     "DistributedDataParallel",
     "ProcessGroup",
@@ -82,6 +106,7 @@ __all__ = [
     "get_default_group",
     "get_rank",
     "get_world_size",
+    "has_cuda",
     "init_process_group",
     "is_initialized",
     "local_rank",
@@ -89,4 +114,5 @@ __all__ = [
     "reduce_scatter_single",
     "reduce_scatter_tensor",
     "register_torch_backend",
+    "__version__",
 ]

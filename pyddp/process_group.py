@@ -1,9 +1,11 @@
-"""The process group: a typed Python face over the C++ backends.
+"""The process group: a typed Python face over the C++ engines.
 
 This is the only module that imports ``pyddp._C``. Names and argument order
-follow ``torch.distributed``. A group holds one C++ backend per device type:
-a RingBackend over shm for CPU tensors, and for CUDA tensors a RingBackend
-over cuda_ipc or an NcclBackend, as the group's ``backend`` asks.
+follow ``torch.distributed``. A group holds one engine per device type
+(``_C.Engine``: pyddp's ring over shm for CPU tensors; for CUDA tensors
+pyddp's ring over cuda_ipc or NCCL send/recv, or NCCL's own collectives).
+Which engine serves a device is decided in C++ (``_C.make_engine``, from the
+group's ``backend`` name); this module only logs the choice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ logger = logging.getLogger("pyddp")
 
 ReduceOp = dist.ReduceOp
 RingOptions = _C.RingOptions
+Algo = _C.Algo
 
 _SUPPORTED_OPS = {
     ReduceOp.SUM: _C.RedOp.SUM,
@@ -36,11 +39,8 @@ HAS_CUDA: bool = _C.has_cuda
 # "nccl_ring" (pyddp's ring over NCCL send/recv): CUDA tensors on the current
 # device. "auto": shm for CPU tensors and, from the first CUDA collective on,
 # cuda_ipc when every rank shares this host and peer access works, NCCL
-# otherwise.
-BACKENDS = (("shm", "auto", "cuda_ipc", "nccl", "nccl_ring") if HAS_CUDA
-            else ("shm", "auto"))
-# The most ranks the cuda_ipc transport serves (ipc::kMaxRanks).
-CUDA_IPC_MAX_RANKS = 16
+# otherwise. (The candidates are a table in csrc/backend/engine_registry.cpp.)
+BACKENDS = tuple(_C.backend_names())
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 # Each group gets its own store prefix, so a process can create, destroy and
@@ -96,37 +96,39 @@ def _finish(work: dist.Work, async_op: bool) -> Optional[Work]:
 class ProcessGroup:
     """A group of ranks that run collectives together (create with init_process_group)."""
 
-    def __init__(self, kind: str, store: dist.Store, prefix: str, rank: int, world_size: int,
+    def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
                  timeout: datetime.timedelta, options: RingOptions) -> None:
-        self._kind = kind
+        self._kind = backend
         self._store = store
         self._prefix = prefix
         self._rank = rank
         self._world_size = world_size
         self._options = options
         self.timeout = timeout
-        # One C++ backend per device type ("cpu", "cuda"), each on its own
-        # store prefix, and the transport it uses.
-        self._backends: Dict[str, object] = {}
-        self._transports: Dict[str, str] = {}
-        if kind in ("shm", "auto"):
-            logger.info("rank %d/%d: group %s: CPU tensors over shm (every rank on one host; "
-                        "slot_bytes=%d, num_slots=%d, direct_max_bytes=%d, two_shot_max_bytes=%d, "
-                        "algo=%s)", rank, world_size, prefix, options.slot_bytes,
-                        options.num_slots, options.direct_max_bytes, options.two_shot_max_bytes,
-                        options.algo)
-            self._add("cpu", "shm", self._ring(torch.device("cpu")))
+        # The device types this group serves, and the engine of each so far:
+        # the CPU's at once; a CUDA device's at once when the group serves
+        # only CUDA tensors, else ("auto") at the first CUDA collective.
+        self._device_types = tuple(_C.device_types_of(backend))
+        self._engines: Dict[str, _C.Engine] = {}
+        if "cpu" in self._device_types:
+            self._make_engine(torch.device("cpu"))
         else:
-            logger.info("rank %d/%d: group %s: CUDA tensors over %s (asked for)",
-                        rank, world_size, prefix, kind)
-            device = self._cuda_device()
-            self._add("cuda", kind, self._nccl(device) if kind == "nccl" else
-                      self._ring(device, "nccl" if kind == "nccl_ring" else "cuda_ipc"))
+            self._make_engine(self._cuda_device())
 
-    def _add(self, device_type: str, transport: str, backend: object) -> object:
-        self._backends[device_type] = backend
-        self._transports[device_type] = transport
-        return backend
+    def _make_engine(self, device: torch.device) -> _C.Engine:
+        store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
+        engine, refusals = _C.make_engine(store, self._rank, self._world_size, self._options,
+                                          device, self._kind)
+        who = f"rank {self._rank}/{self._world_size}: group {self._prefix}"
+        for why in refusals:
+            logger.info("%s: %s tensors: passed over %s", who, device, why)
+        logger.info("%s: %s tensors over %s (backend %r; slot_bytes=%d, num_slots=%d, "
+                    "direct_max_bytes=%d, two_shot_max_bytes=%d, algo=%s)", who, device,
+                    engine.transport, self._kind, self._options.slot_bytes,
+                    self._options.num_slots, self._options.direct_max_bytes,
+                    self._options.two_shot_max_bytes, self._options.algo)
+        self._engines[device.type] = engine
+        return engine
 
     def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
         """``device`` (a CUDA tensor's), or the current CUDA device."""
@@ -137,52 +139,16 @@ class ProcessGroup:
             return device
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _ring(self, device: torch.device, transport: str = "") -> "_C.RingBackend":
-        store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
-        return _C.RingBackend(store, self._rank, self._world_size, self._options, device,
-                              transport)
-
-    def _nccl(self, device: torch.device) -> "_C.NcclBackend":
-        store = dist.PrefixStore(f"{self._prefix}/nccl", self._store)
-        return _C.NcclBackend(store, self._rank, self._world_size, self._options.timeout_ms,
-                              device.index)
-
-    def _auto_cuda(self, device: torch.device) -> object:
-        """The CUDA backend of an "auto" group, made at its first CUDA collective.
-
-        cuda_ipc when every rank can map every peer's memory (one host, peer
-        access proven by a write and a read, at most CUDA_IPC_MAX_RANKS
-        ranks); NCCL otherwise. Every rank sees the same refusals, so all
-        choose alike.
-        """
-        device = self._cuda_device(device)
-        backend = None
-        if self._world_size > CUDA_IPC_MAX_RANKS:
-            why = f"cuda_ipc serves at most {CUDA_IPC_MAX_RANKS} ranks"
-        else:
-            try:
-                backend = self._ring(device, "cuda_ipc")
-            except dist.DistBackendError as refusal:
-                why = "cuda_ipc cannot connect: " + str(refusal).splitlines()[0]
-        if backend is None:
-            logger.info("rank %d/%d: group %s: CUDA tensors over NCCL, because %s", self._rank,
-                        self._world_size, self._prefix, why)
-            return self._add("cuda", "nccl", self._nccl(device))
-        logger.info("rank %d/%d: group %s: CUDA tensors over cuda_ipc (every rank reached "
-                    "every peer's memory on %s)", self._rank, self._world_size, self._prefix,
-                    device)
-        return self._add("cuda", "cuda_ipc", backend)
-
-    def _backend(self, t: torch.Tensor, call: str, what: str) -> object:
-        """The backend for tensors on ``t``'s device."""
-        backend = self._backends.get(t.device.type)
-        if backend is None and t.device.type == "cuda" and self._kind == "auto" and HAS_CUDA:
-            backend = self._auto_cuda(t.device)
-        if backend is None:
-            serves = " and ".join(sorted(self._backends)) or "no"
-            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} is on {t.device}; this "
-                            f"group (backend {self._kind!r}) serves {serves} tensors")
-        return backend
+    def _engine(self, t: torch.Tensor, call: str, what: str) -> _C.Engine:
+        """The engine for tensors on ``t``'s device, made at first use for "auto"."""
+        engine = self._engines.get(t.device.type)
+        if engine is not None:
+            return engine
+        if t.device.type == "cuda" and "cuda" in self._device_types:
+            return self._make_engine(self._cuda_device(t.device))
+        serves = " and ".join(self._device_types) or "no"
+        raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} is on {t.device}; this "
+                        f"group (backend {self._kind!r}) serves {serves} tensors")
 
     def rank(self) -> int:
         return self._rank
@@ -204,7 +170,7 @@ class ProcessGroup:
 
         An "auto" group has no CUDA entry before its first CUDA collective.
         """
-        return dict(self._transports)
+        return {device: engine.transport for device, engine in self._engines.items()}
 
     def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
         # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
@@ -228,16 +194,16 @@ class ProcessGroup:
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
         t = self._tensor(tensor, "all_reduce", "tensor")
-        backend = self._backend(t, "all_reduce", "tensor")
-        return _finish(backend.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
+        engine = self._engine(t, "all_reduce", "tensor")
+        return _finish(engine.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                           ) -> Optional[Work]:
         """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
         out = self._tensor(output, "all_gather_single", "output")
         inp = self._tensor(input, "all_gather_single", "input")
-        backend = self._backend(inp, "all_gather_single", "input")
-        return _finish(backend.all_gather_single(out, inp, async_op), async_op)
+        engine = self._engine(inp, "all_gather_single", "input")
+        return _finish(engine.all_gather_single(out, inp, async_op), async_op)
 
     all_gather_into_tensor = all_gather_single
 
@@ -251,16 +217,16 @@ class ProcessGroup:
             )
         outs = [self._tensor(t, "all_gather", "tensor_list entry") for t in tensor_list]
         inp = self._tensor(tensor, "all_gather", "tensor")
-        backend = self._backend(inp, "all_gather", "tensor")
-        return _finish(backend.all_gather(outs, inp, async_op), async_op)
+        engine = self._engine(inp, "all_gather", "tensor")
+        return _finish(engine.all_gather(outs, inp, async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._tensor(tensor, "broadcast", "tensor")
         if not isinstance(src, int) or isinstance(src, bool):
             raise TypeError(f"pyddp: rank {self._rank}: broadcast: src must be an int, got {src!r}")
-        backend = self._backend(t, "broadcast", "tensor")
-        return _finish(backend.broadcast(t, src, async_op), async_op)
+        engine = self._engine(t, "broadcast", "tensor")
+        return _finish(engine.broadcast(t, src, async_op), async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
@@ -268,30 +234,30 @@ class ProcessGroup:
         out = self._tensor(output, "reduce_scatter_single", "output")
         inp = self._tensor(input, "reduce_scatter_single", "input")
         red = self._op(op, "reduce_scatter_single")
-        backend = self._backend(inp, "reduce_scatter_single", "input")
-        return _finish(backend.reduce_scatter_single(out, inp, red, async_op), async_op)
+        engine = self._engine(inp, "reduce_scatter_single", "input")
+        return _finish(engine.reduce_scatter_single(out, inp, red, async_op), async_op)
 
     reduce_scatter_tensor = reduce_scatter_single
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
-        """Returns once every rank has entered the barrier, on every backend of the group
-        (so a CUDA backend's queued collectives are done too)."""
-        *others, last = self._backends.values()
-        for backend in others:
-            backend.barrier(False).wait()
+        """Returns once every rank has entered the barrier, on every engine of the group
+        (so a CUDA engine's queued collectives are done too)."""
+        *others, last = self._engines.values()
+        for engine in others:
+            engine.barrier(False).wait()
         return _finish(last.barrier(async_op), async_op)
 
     def shutdown(self) -> None:
-        """Stops the group's backends; pending collectives fail."""
-        for backend in self._backends.values():
-            backend.shutdown()
+        """Stops the group's engines; pending collectives fail."""
+        for engine in self._engines.values():
+            engine.shutdown()
 
     def __del__(self) -> None:
         # Join the worker here, where the binding releases the GIL: a last
         # reference dropped elsewhere could join it with the GIL held while
         # a future callback on the worker waits for the GIL.
-        for backend in getattr(self, "_backends", {}).values():
-            backend.shutdown()
+        for engine in getattr(self, "_engines", {}).values():
+            engine.shutdown()
 
 
 def init_process_group(
@@ -431,7 +397,7 @@ TORCH_BACKEND_NAME = "pyddp"
 
 
 def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
-                          timeout: datetime.timedelta) -> _C.RingBackend:
+                          timeout: datetime.timedelta) -> _C.Engine:
     """The creator torch.distributed calls for ``init_process_group("pyddp")``.
 
     torch hands over its own (prefixed) store and the group's timeout; the
@@ -440,11 +406,12 @@ def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
     opts = RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
-    logger.info("rank %d/%d: torch.distributed backend %r over shm (slot_bytes=%d, "
+    engine, _ = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"), "shm")
+    logger.info("rank %d/%d: torch.distributed backend %r over %s (slot_bytes=%d, "
                 "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
-                TORCH_BACKEND_NAME, opts.slot_bytes, opts.num_slots, opts.direct_max_bytes,
-                opts.algo)
-    return _C.RingBackend(store, rank, world_size, opts)
+                TORCH_BACKEND_NAME, engine.transport, opts.slot_bytes, opts.num_slots,
+                opts.direct_max_bytes, opts.algo)
+    return engine
 
 
 def register_torch_backend() -> None:

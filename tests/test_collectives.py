@@ -38,12 +38,12 @@ def _setup(ctx: RankContext) -> None:
                                timeout=datetime.timedelta(seconds=60), options=options)
 
     ctx.groups["auto"] = group("auto", backend="auto")
-    ctx.groups["ring"] = group("ring", algo=pyddp._C.Algo.RING, slot_bytes=256, num_slots=2)
+    ctx.groups["ring"] = group("ring", algo=pyddp.Algo.RING, slot_bytes=256, num_slots=2)
     # 256-byte staging buffers: direct all-reduces of more take several rounds.
-    ctx.groups["direct"] = group("direct", algo=pyddp._C.Algo.DIRECT, direct_max_bytes=256)
+    ctx.groups["direct"] = group("direct", algo=pyddp.Algo.DIRECT, direct_max_bytes=256)
     # Two-shot forced with 320-byte staging buffers: several rounds, and
     # blocks of unequal sizes within a round.
-    ctx.groups["two_shot"] = group("two_shot", algo=pyddp._C.Algo.TWO_SHOT, direct_max_bytes=0,
+    ctx.groups["two_shot"] = group("two_shot", algo=pyddp.Algo.TWO_SHOT, direct_max_bytes=0,
                                    two_shot_max_bytes=320)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)

@@ -39,7 +39,7 @@ def _group(ctx: RankContext, name: str, timeout=datetime.timedelta(seconds=30)
 def _ring_group(ctx: RankContext, name: str, timeout: datetime.timedelta) -> pyddp.ProcessGroup:
     """A group that always uses the ring; each rank may pass its own timeout."""
     options = pyddp.RingOptions()
-    options.algo = pyddp._C.Algo.RING
+    options.algo = pyddp.Algo.RING
     pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(name), ctx.world_size),
                          rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
                          options=options)
@@ -95,11 +95,11 @@ def test_bad_group_arguments():
     with pytest.raises(ValueError, match="num_slots"):
         pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1, options=options)
     options = pyddp.RingOptions()
-    options.algo, options.direct_max_bytes = pyddp._C.Algo.DIRECT, 0
+    options.algo, options.direct_max_bytes = pyddp.Algo.DIRECT, 0
     with pytest.raises(ValueError, match="algo=direct .* needs direct_max_bytes"):
         options.validate()
     options = pyddp.RingOptions()
-    options.algo, options.direct_max_bytes = pyddp._C.Algo.TWO_SHOT, 0
+    options.algo, options.direct_max_bytes = pyddp.Algo.TWO_SHOT, 0
     with pytest.raises(ValueError, match="algo=two_shot .* needs direct_max_bytes"):
         options.validate()
     # torch.distributed.new_group's first argument is a rank list; pyddp's is the backend.
@@ -113,7 +113,8 @@ def test_gpu_backends_are_refused_by_a_cpu_build():
         with pytest.raises(ValueError, match=f"backend '{backend}' is not available"):
             pyddp.new_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(TypeError, match="built without CUDA"):
-        pyddp._C.RingBackend(dist.HashStore(), 0, 1, pyddp.RingOptions(), torch.device("cuda", 0))
+        pyddp._C.make_engine(dist.HashStore(), 0, 1, pyddp.RingOptions(), torch.device("cuda", 0),
+                             "auto")
 
 
 @pytest.mark.skipif(not pyddp._C.has_cuda or torch.cuda.is_available(),
@@ -336,7 +337,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
     # The algorithm is part of the call too: ranks configured differently
     # (PYDDP_ALGO) must not run different algorithms against each other.
     options = pyddp.RingOptions()
-    options.algo = pyddp._C.Algo.DIRECT if r == 0 else pyddp._C.Algo.RING
+    options.algo = pyddp.Algo.DIRECT if r == 0 else pyddp.Algo.RING
     pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("mismatch-algo"), n),
                          rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
                          options=options)
@@ -497,10 +498,10 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("PYDDP_ALGO", "ring")
     options = pyddp.RingOptions()
     assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo) == (
-        4096, 3, 0, pyddp._C.Algo.RING)
+        4096, 3, 0, pyddp.Algo.RING)
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp._C.Algo.RING
+        assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp.Algo.RING
     finally:
         pg.shutdown()
     assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"

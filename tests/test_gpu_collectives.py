@@ -9,7 +9,7 @@ unchanged with ``ctx.state["device"]`` set:
   cuda_ipc cannot connect);
 - ``ring``, ``direct``, ``two_shot``: cuda_ipc with the algorithm forced and
   the CPU suite's small slots and staging buffers (many pieces and rounds);
-- ``nccl``: NCCL's own collectives through pyddp's NcclBackend, and
+- ``nccl``: NCCL's own collectives through pyddp's NcclEngine, and
   ``nccl_ring``: pyddp's ring over NCCL send/recv with the small slots (two
   ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else
   skipped).
@@ -68,11 +68,11 @@ def _setup(ctx: RankContext) -> None:
                                timeout=datetime.timedelta(seconds=120), options=options)
 
     ctx.groups["auto"] = group("auto", "auto")
-    ctx.groups["ring"] = group("ring", "cuda_ipc", algo=pyddp._C.Algo.RING, slot_bytes=256,
+    ctx.groups["ring"] = group("ring", "cuda_ipc", algo=pyddp.Algo.RING, slot_bytes=256,
                                num_slots=2)
-    ctx.groups["direct"] = group("direct", "cuda_ipc", algo=pyddp._C.Algo.DIRECT,
+    ctx.groups["direct"] = group("direct", "cuda_ipc", algo=pyddp.Algo.DIRECT,
                                  direct_max_bytes=256)
-    ctx.groups["two_shot"] = group("two_shot", "cuda_ipc", algo=pyddp._C.Algo.TWO_SHOT,
+    ctx.groups["two_shot"] = group("two_shot", "cuda_ipc", algo=pyddp.Algo.TWO_SHOT,
                                    direct_max_bytes=0, two_shot_max_bytes=320)
     if not _nccl_reason():
         ctx.groups["nccl"] = group("nccl", "nccl")

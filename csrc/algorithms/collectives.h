@@ -1,6 +1,6 @@
 // Collective algorithms over the transport interface. Each one is a short
 // list of transport verbs; which bytes move where comes from schedule.h.
-// Buffers are raw host or device pointers: the backend owns the tensors.
+// Buffers are raw host or device pointers: the engine owns the tensors.
 #pragma once
 
 #include <cstddef>

@@ -2,6 +2,7 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include "backend/torch_types.h"
 #include "common/check.h"
 
 namespace pyddp {
@@ -9,19 +10,6 @@ namespace pyddp {
 ArgChecks::ArgChecks(int rank, int size, c10::Device device, std::string server)
     : rank_(rank), size_(size), device_(device), server_(std::move(server)) {}
 
-std::optional<DataType> dataTypeOf(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DataType::Float32;
-    case at::kDouble: return DataType::Float64;
-    case at::kHalf: return DataType::Float16;
-    case at::kBFloat16: return DataType::BFloat16;
-    case at::kChar: return DataType::Int8;
-    case at::kByte: return DataType::UInt8;
-    case at::kInt: return DataType::Int32;
-    case at::kLong: return DataType::Int64;
-    default: return std::nullopt;
-  }
-}
 DataType ArgChecks::tensor(const at::Tensor& t, const char* call,
                                   const char* what) const {
   PYDDP_CHECK_TYPE(t.defined(), "rank ", rank_, ": ", call, ": ", what,

@@ -1,19 +1,15 @@
-// Argument checks shared by the backends, done before anything is queued
+// Argument checks shared by the engines, done before anything is queued
 // (so a refused call leaves the group usable). Messages name the rank, the
 // call and what was expected.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <string>
 
 #include "common/types.h"
 
 namespace pyddp {
-
-// pyddp's element type for a torch dtype; nullopt when unsupported.
-std::optional<DataType> dataTypeOf(at::ScalarType t);
 
 class ArgChecks {
  public:

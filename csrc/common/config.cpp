@@ -107,14 +107,4 @@ std::map<std::string, std::string> settings() {
   return out;
 }
 
-const char* toString(Algo a) {
-  switch (a) {
-    case Algo::Auto: return "auto";
-    case Algo::Ring: return "ring";
-    case Algo::Direct: return "direct";
-    case Algo::TwoShot: return "two_shot";
-  }
-  return "unknown";
-}
-
 } // namespace pyddp

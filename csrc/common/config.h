@@ -6,12 +6,9 @@
 #include <map>
 #include <string>
 
-namespace pyddp {
+#include "common/types.h"
 
-// How an all-reduce runs: by size (Auto), or forced. Direct is the one-shot
-// algorithm (every rank reduces the whole message from every rank's staged
-// copy); TwoShot reduces one block per rank, then gathers the blocks.
-enum class Algo { Auto, Ring, Direct, TwoShot };
+namespace pyddp {
 
 // RingOptions of one process group. Defaults come from the environment; Python
 // may override fields (pyddp.RingOptions) before creating the group. All
@@ -61,7 +58,5 @@ constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
 // Every PYDDP_* variable with its current value ("" when unset).
 std::map<std::string, std::string> settings();
-
-const char* toString(Algo a);
 
 } // namespace pyddp

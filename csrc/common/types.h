@@ -1,12 +1,17 @@
-// Vocabulary shared by every layer: element types, reduction operators and
-// collective kinds, as small enums that cross process boundaries (they are
-// part of the descriptor each rank publishes per collective).
+// Vocabulary shared by every layer: element types, reduction operators,
+// collective kinds and all-reduce algorithms, as small enums that cross
+// process boundaries (they are fields of the descriptor each rank publishes
+// per collective: common/descriptor.h).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 
 namespace pyddp {
+
+// Deadlines and waits.
+using Clock = std::chrono::steady_clock;
 
 enum class DataType : int32_t {
   Float32 = 0,
@@ -20,6 +25,11 @@ enum class DataType : int32_t {
 };
 
 enum class RedOp : int32_t { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4 };
+
+// How an all-reduce runs: by size (Auto), or forced. Direct is the one-shot
+// algorithm (every rank reduces the whole message from every rank's staged
+// copy); TwoShot reduces one block per rank, then gathers the blocks.
+enum class Algo : int32_t { Auto = 0, Ring = 1, Direct = 2, TwoShot = 3 };
 
 enum class CollectiveKind : int32_t {
   AllReduce = 0,
@@ -85,6 +95,16 @@ inline const char* toString(RedOp op) {
   return "unknown";
 }
 
+inline const char* toString(Algo a) {
+  switch (a) {
+    case Algo::Auto: return "auto";
+    case Algo::Ring: return "ring";
+    case Algo::Direct: return "direct";
+    case Algo::TwoShot: return "two_shot";
+  }
+  return "unknown";
+}
+
 inline const char* toString(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::AllReduce: return "all_reduce";
@@ -98,18 +118,5 @@ inline const char* toString(CollectiveKind k) {
   }
   return "unknown";
 }
-
-// What every rank must agree on for one collective. Published by each rank
-// on entry and compared, so that mismatched calls fail on every rank instead
-// of hanging or producing garbage.
-struct CollectiveDesc {
-  uint64_t seq = 0;    // 1, 2, ... in call order; identical on all ranks
-  uint64_t count = 0;  // elements per rank-sized block (see the collective)
-  CollectiveKind kind = CollectiveKind::Barrier;
-  DataType dtype = DataType::Float32;
-  RedOp op = RedOp::Sum;
-  int32_t root = -1;   // broadcast source, reduce/gather destination, scatter source; else -1
-  int32_t algo = 0;    // which algorithm runs it: ranks must pick the same
-};
 
 } // namespace pyddp

@@ -1,10 +1,9 @@
 #include "transport/cuda_ipc.h"
 
 #include <cstring>
-#include <iomanip>
 #include <random>
-#include <sstream>
 
+#include "common/blob.h"
 #include "common/check.h"
 #include "common/cuda_device.h"
 #include "kernels/cuda.h"
@@ -12,9 +11,6 @@
 namespace pyddp {
 namespace ipc {
 namespace {
-
-// Separates the control (shm) part of the bootstrap blob from the IPC part.
-constexpr char kBlobSeparator = '\x1e';
 
 // hostWords_ holds three int64 words, each on its own 64-byte line: the
 // error word, the abort word and a constant 1 (the source of the failed
@@ -39,7 +35,10 @@ RingOptions controlOptions(const RingOptions& options) {
   return o;
 }
 
+// What a rank publishes: its control segment (the shm transport's blob),
+// the IPC handle of its buffer, the buffer's token and its geometry.
 struct IpcBlob {
+  std::string control;
   cudaIpcMemHandle_t handle;
   uint64_t token = 0;
   size_t slotBytes = 0;
@@ -48,27 +47,25 @@ struct IpcBlob {
 };
 
 std::string encode(const IpcBlob& b) {
-  std::ostringstream out;
-  const auto* raw = reinterpret_cast<const unsigned char*>(&b.handle);
-  for (size_t i = 0; i < sizeof(b.handle); ++i) {
-    out << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(raw[i]);
-  }
-  out << std::dec << ' ' << b.token << ' ' << b.slotBytes << ' '
-      << b.numSlots << ' ' << b.stagingBytes;
-  return out.str();
+  return BlobWriter()
+      .putBytes("control", b.control)
+      .putBytes("handle", &b.handle, sizeof(b.handle))
+      .put("token", b.token)
+      .put("slot_bytes", b.slotBytes)
+      .put("num_slots", b.numSlots)
+      .put("staging_bytes", b.stagingBytes)
+      .str();
 }
 
-IpcBlob decode(const std::string& text) {
+IpcBlob decode(const std::string& text, int peer) {
+  const BlobReader r(text, "rank " + std::to_string(peer) + "'s cuda_ipc bootstrap blob");
   IpcBlob b;
-  std::istringstream in(text);
-  std::string hex;
-  in >> hex >> b.token >> b.slotBytes >> b.numSlots >> b.stagingBytes;
-  PYDDP_CHECK(hex.size() == 2 * sizeof(b.handle) && !in.fail(),
-              "malformed cuda_ipc bootstrap blob");
-  auto* raw = reinterpret_cast<unsigned char*>(&b.handle);
-  for (size_t i = 0; i < sizeof(b.handle); ++i) {
-    raw[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
-  }
+  b.control = r.bytes("control");
+  r.bytes("handle", &b.handle, sizeof(b.handle));
+  b.token = r.get<uint64_t>("token");
+  b.slotBytes = r.get<size_t>("slot_bytes");
+  b.numSlots = r.get<int>("num_slots");
+  b.stagingBytes = r.get<size_t>("staging_bytes");
   return b;
 }
 
@@ -95,12 +92,6 @@ std::string readError(const std::shared_ptr<int64_t>& words, int rank, uint64_t 
   return describeError(word, rank, timeoutNs);
 }
 
-std::pair<std::string, std::string> split(const std::string& blob) {
-  const size_t at = blob.find(kBlobSeparator);
-  PYDDP_CHECK(at != std::string::npos, "malformed cuda_ipc bootstrap blob");
-  return {blob.substr(0, at), blob.substr(at + 1)};
-}
-
 } // namespace
 
 CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& options,
@@ -118,12 +109,12 @@ CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& o
   options.validate();
   PYDDP_CHECK_VALUE(worldSize <= kMaxRanks, "the cuda_ipc transport serves at most ",
                     kMaxRanks, " ranks, got world_size ", worldSize,
-                    "; use the nccl backend");
+                    "; use the nccl or auto backend");
 }
 
 CudaIpcTransport::~CudaIpcTransport() {
   // End every wait still queued, then let the streams drain: kernels must
-  // not touch buffers freed below. (The backend drains and meets its peers
+  // not touch buffers freed below. (The engine drains and meets its peers
   // first on a clean shutdown, so nothing is left to abort then.) Errors
   // are ignored: a destructor cannot report them.
   if (!bases_[rank_] && !hostWords_) return;  // setup() never ran
@@ -150,8 +141,14 @@ std::string CudaIpcTransport::setup() {
   cudaCheck(cudaMemset(base, 0, bytes), rank_, "clearing the IPC buffer");
   std::random_device entropy;
   token_ = (static_cast<uint64_t>(entropy()) << 32) | entropy();
-  cudaCheck(cudaMemcpy(&header(rank_)->token, &token_, sizeof(token_), cudaMemcpyHostToDevice),
-            rank_, "writing the IPC token");
+  IpcHeader init{};
+  init.magic = kIpcMagic;
+  init.layoutVersion = kIpcLayoutVersion;
+  init.token = token_;
+  cudaCheck(cudaMemcpy(&header(rank_)->magic, &init.magic,
+                       offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
+                       cudaMemcpyHostToDevice),
+            rank_, "writing the IPC buffer's header");
   void* words = nullptr;
   cudaCheck(cudaHostAlloc(&words, kWordsBytes, cudaHostAllocMapped), rank_,
             "cudaHostAlloc of the error words");
@@ -169,6 +166,7 @@ std::string CudaIpcTransport::setup() {
             "creating the side stream");
 
   IpcBlob b;
+  b.control = control_->setup();
   cudaCheck(cudaIpcGetMemHandle(&b.handle, base), rank_, "cudaIpcGetMemHandle");
   b.token = token_;
   b.slotBytes = slotBytes_;
@@ -177,14 +175,13 @@ std::string CudaIpcTransport::setup() {
   // cudaMemset and a copy from pageable memory may return before the
   // device has them: peers must see the cleared flags and the token.
   cudaCheck(cudaDeviceSynchronize(), rank_, "finishing the IPC buffer's setup");
-  return control_->setup() + kBlobSeparator + encode(b);
+  return encode(b);
 }
 
 std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) const {
-  const auto [control, ipcPart] = split(blob);
-  std::string why = control_->whyNotConnect(peer, control);
+  const IpcBlob b = decode(blob, peer);
+  std::string why = control_->whyNotConnect(peer, b.control);
   if (!why.empty()) return why;
-  const IpcBlob b = decode(ipcPart);
   if (b.slotBytes != slotBytes_ || b.numSlots != numSlots_ || b.stagingBytes != stagingBytes_) {
     return "rank " + std::to_string(peer) + " uses a different cuda_ipc geometry (set "
            "PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS, PYDDP_DIRECT_MAX_BYTES and "
@@ -196,8 +193,10 @@ std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) c
 void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
   QuietDeviceGuard scope(device_);
   std::vector<std::string> controlBlobs(worldSize_);
+  std::vector<IpcBlob> peers(worldSize_);
   for (int peer = 0; peer < worldSize_; ++peer) {
-    controlBlobs[peer] = split(blobs[peer]).first;
+    peers[peer] = decode(blobs[peer], peer);
+    controlBlobs[peer] = peers[peer].control;
     if (peer == rank_) continue;
     const std::string why = whyNotConnect(peer, blobs[peer]);
     PYDDP_CHECK_COMM(why.empty(), "rank ", rank_, ": cuda_ipc cannot reach ", why);
@@ -205,23 +204,29 @@ void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
   control_->connect(controlBlobs);
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
-    const IpcBlob b = decode(split(blobs[peer]).second);
+    const IpcBlob& b = peers[peer];
     void* mapped = nullptr;
     cudaCheck(cudaIpcOpenMemHandle(&mapped, b.handle, cudaIpcMemLazyEnablePeerAccess), rank_,
               ("cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s buffer").c_str());
     bases_[peer] = static_cast<char*>(mapped);
     // Prove access instead of trusting cudaDeviceCanAccessPeer: read the
-    // peer's token through the mapping, write ours into its probe slot and
-    // read it back.
-    uint64_t seen = 0;
-    cudaCheck(cudaMemcpy(&seen, &header(peer)->token, sizeof(seen), cudaMemcpyDeviceToHost),
+    // peer's header through the mapping, write our token into its probe
+    // slot and read it back.
+    IpcHeader theirs{};
+    cudaCheck(cudaMemcpy(&theirs.magic, &header(peer)->magic,
+                         offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
+                         cudaMemcpyDeviceToHost),
               rank_, "reading a peer's IPC buffer");
-    PYDDP_CHECK_COMM(seen == b.token, "rank ", rank_, ": cuda_ipc: reading rank ", peer,
+    PYDDP_CHECK_COMM(theirs.magic == kIpcMagic && theirs.layoutVersion == kIpcLayoutVersion,
+                     "rank ", rank_, ": cuda_ipc: rank ", peer, "'s buffer has an unexpected "
+                     "layout (magic ", theirs.magic, ", version ", theirs.layoutVersion,
+                     "): different pyddp versions?");
+    PYDDP_CHECK_COMM(theirs.token == b.token, "rank ", rank_, ": cuda_ipc: reading rank ", peer,
                      "'s buffer returned the wrong token: peer memory is not accessible");
+    uint64_t seen = 0;
     cudaCheck(cudaMemcpy(&header(peer)->probe[rank_], &token_, sizeof(token_),
                          cudaMemcpyHostToDevice),
               rank_, "writing a peer's IPC buffer");
-    seen = 0;
     cudaCheck(cudaMemcpy(&seen, &header(peer)->probe[rank_], sizeof(seen),
                          cudaMemcpyDeviceToHost),
               rank_, "reading back a peer's IPC buffer");

@@ -1,6 +1,6 @@
 // CUDA IPC transport: CUDA tensors between processes on one host, several
 // ranks per GPU included. Each rank exports one device buffer (ring slots,
-// staging buffers and flags: layout and protocol in ipc_protocol.h) and
+// staging buffers and flags: layout and protocol in cuda_ipc_protocol.h) and
 // maps every peer's; data moves by kernels that read peers' memory, and
 // every verb is enqueued on the stream given at construction, so the host
 // never waits for the GPU.
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "common/config.h"
-#include "transport/ipc_kernels.h"
+#include "transport/cuda_ipc_kernels.h"
 #include "transport/shm.h"
 #include "transport/transport.h"
 
@@ -86,10 +86,10 @@ class CudaIpcTransport final : public Transport,
   // probe owns what it reads, so a collective's Work may keep it after the
   // transport is gone; reading it after the collective's done event fired
   // sees every failure of that collective or before it.
-  std::function<std::string()> deviceErrorProbe() const;
-  // deviceError, or a peer whose process exited: what the backend's
+  std::function<std::string()> deviceErrorProbe() const override;
+  // deviceError, or a peer whose process exited: what the engine's
   // monitor polls while collectives are pending.
-  std::string asyncError() const;
+  std::string asyncError() const override;
 
  private:
   char* slots(int rank) const { return bases_[rank] + sizeof(IpcHeader); }

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <new>
 #include <random>
 #include <sstream>
@@ -18,7 +17,9 @@
 #include <immintrin.h>
 #endif
 
+#include "common/blob.h"
 #include "common/check.h"
+#include "common/host.h"
 
 namespace pyddp {
 namespace shm {
@@ -41,27 +42,6 @@ inline void cpuRelax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
-}
-
-std::string readFirstLine(const char* path) {
-  std::ifstream f(path);
-  std::string line;
-  std::getline(f, line);
-  return line;
-}
-
-// Ranks may share shared memory only on the same machine and boot.
-std::string makeHostId() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return std::string(host) + "/" +
-      readFirstLine("/proc/sys/kernel/random/boot_id");
-}
-
-std::string pidNamespace() {
-  char link[128] = {0};
-  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
-  return n > 0 ? std::string(link, n) : "unknown";
 }
 
 std::string randomSegmentName() {
@@ -90,53 +70,24 @@ struct Blob {
 };
 
 std::string encodeBlob(const Blob& b) {
-  std::ostringstream out;
-  out << b.segment << "\n" << b.hostId << "\n" << b.pidNamespace << "\n" << b.pid << " "
-      << b.bytes << " "
-      << b.slotBytes << " " << b.numSlots << " " << b.directBytes;
-  return out.str();
+  return BlobWriter()
+      .put("segment", b.segment)
+      .put("host", b.hostId)
+      .put("pid_namespace", b.pidNamespace)
+      .put("pid", b.pid)
+      .put("bytes", b.bytes)
+      .put("slot_bytes", b.slotBytes)
+      .put("num_slots", b.numSlots)
+      .put("staging_bytes", b.directBytes)
+      .str();
 }
 
-Blob decodeBlob(const std::string& text) {
-  std::istringstream in(text);
-  Blob b;
-  std::getline(in, b.segment);
-  std::getline(in, b.hostId);
-  std::getline(in, b.pidNamespace);
-  in >> b.pid >> b.bytes >> b.slotBytes >> b.numSlots >> b.directBytes;
-  PYDDP_CHECK(!in.fail() && !b.segment.empty(), "malformed shm bootstrap blob '", text, "'");
-  return b;
-}
-
-// False once `pid` has exited (a zombie counts as exited: its parent may
-// not have reaped it yet).
-bool processAlive(int pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return false;
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  // "pid (comm) S ...": the state follows the last ')' (comm may hold ')').
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos || close + 2 >= text.size()) return true;
-  const char state = text[close + 2];
-  return state != 'Z' && state != 'X';
-}
-
-std::string describe(const WireDescriptor& d) {
-  std::ostringstream s;
-  s << toString(static_cast<CollectiveKind>(d.kind)) << "(count="
-    << d.count << ", dtype=" << toString(static_cast<DataType>(d.dtype));
-  if (d.kind == static_cast<int32_t>(CollectiveKind::AllReduce) ||
-      d.kind == static_cast<int32_t>(CollectiveKind::ReduceScatter)) {
-    s << ", op=" << toString(static_cast<RedOp>(d.op));
-  }
-  if (d.root >= 0) s << ", src=" << d.root;
-  s << ", algo=" << toString(static_cast<Algo>(d.algo)) << ")";
-  return s.str();
-}
-
-bool sameCall(const WireDescriptor& a, const WireDescriptor& b) {
-  return a.seq == b.seq && a.count == b.count && a.kind == b.kind &&
-      a.dtype == b.dtype && a.op == b.op && a.root == b.root && a.algo == b.algo;
+Blob decodeBlob(const std::string& text, int peer) {
+  const BlobReader r(text, "rank " + std::to_string(peer) + "'s shm bootstrap blob");
+  return Blob{r.str("segment"),         r.str("host"),
+              r.str("pid_namespace"),   r.get<int>("pid"),
+              r.get<size_t>("bytes"),   r.get<size_t>("slot_bytes"),
+              r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
 }
 
 } // namespace
@@ -148,7 +99,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       timeoutMs_(options.timeoutMs),
-      hostId_(makeHostId()),
+      hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       segments_(worldSize) {
   options.validate();
@@ -216,7 +167,7 @@ std::string ShmTransport::setup() {
 }
 
 std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const {
-  const Blob b = decodeBlob(blob);
+  const Blob b = decodeBlob(blob, peer);
   if (b.hostId != hostId_) {
     return "rank " + std::to_string(peer) + " runs on another host (" + b.hostId +
         ", this is " + hostId_ + ")";
@@ -230,7 +181,7 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
   std::vector<Blob> peers(worldSize_);
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
-    peers[peer] = decodeBlob(blobs[peer]);
+    peers[peer] = decodeBlob(blobs[peer], peer);
     segments_[peer].pid = peers[peer].pid;
     segments_[peer].pidVisible = peers[peer].pidNamespace == pidNamespace_;
     unconnectedPeers_.push_back(
@@ -364,11 +315,8 @@ void ShmTransport::abandon(const std::string& why) {
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
   current_ = desc;
   deadline_ = deadline;
-  const WireDescriptor mine{desc.seq, desc.count, static_cast<int32_t>(desc.kind),
-                            static_cast<int32_t>(desc.dtype),
-                            static_cast<int32_t>(desc.op), desc.root, desc.algo};
   SegmentHeader& own = *segments_[rank_].header;
-  own.desc[desc.seq % kDescriptorRing] = mine;
+  own.desc[desc.seq % kDescriptorRing].desc = desc;
   own.arrived.value.store(desc.seq, std::memory_order_release);
   for (int k = 0; k < worldSize_; ++k) {
     if (k == rank_) continue;
@@ -377,11 +325,9 @@ void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline)
   }
   // Every rank compares every descriptor, so a mismatch fails on all ranks.
   for (int k = 0; k < worldSize_; ++k) {
-    const WireDescriptor& theirs = header(k).desc[desc.seq % kDescriptorRing];
-    PYDDP_CHECK_COMM(sameCall(mine, theirs), "collective #", desc.seq,
-                     " differs between ranks: rank ", rank_, " called ",
-                     describe(mine), " but rank ", k, " called ", describe(theirs),
-                     "; every rank must issue the same collectives in the same order");
+    const CollectiveDesc& theirs = header(k).desc[desc.seq % kDescriptorRing].desc;
+    const std::string why = mismatch(desc, rank_, theirs, k);
+    PYDDP_CHECK_COMM(why.empty(), why);
   }
 }
 

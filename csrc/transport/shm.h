@@ -15,9 +15,11 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/config.h"
+#include "common/descriptor.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -43,16 +45,12 @@ static_assert(sizeof(Counter) == kCacheLine);
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "cross-process counters must be lock-free (address-free)");
 
-struct alignas(kCacheLine) WireDescriptor {
-  uint64_t seq;
-  uint64_t count;
-  int32_t kind;
-  int32_t dtype;
-  int32_t op;
-  int32_t root;
-  int32_t algo;
+// One descriptor per cache line: a rank rewrites the slot of its next
+// collective while peers may still read the previous one.
+struct alignas(kCacheLine) DescriptorSlot {
+  CollectiveDesc desc;
 };
-static_assert(sizeof(WireDescriptor) == kCacheLine);
+static_assert(sizeof(DescriptorSlot) == kCacheLine);
 
 // Synchronisation protocol (all counters start at 0 and only increase):
 //
@@ -96,11 +94,23 @@ struct alignas(kCacheLine) SegmentHeader {
   Counter posted;    // ring pieces this rank has written to its slots
   Counter consumed;  // ring pieces this rank has read from its left peer
   Counter failed;    // collective this rank gave up on; 0 = none
-  WireDescriptor desc[kDescriptorRing];
+  DescriptorSlot desc[kDescriptorRing];
   char failureText[kFailureTextBytes];
 };
-static_assert(sizeof(SegmentHeader) % kCacheLine == 0);
-static_assert(offsetof(SegmentHeader, arrived) % kCacheLine == 0);
+// The exact layout, pinned: another build of pyddp that maps this segment
+// must agree on every offset (the magic and layoutVersion say whether it
+// does).
+static_assert(std::is_standard_layout_v<SegmentHeader>);
+static_assert(offsetof(SegmentHeader, magic) == 0 &&
+              offsetof(SegmentHeader, layoutVersion) == 8 && offsetof(SegmentHeader, rank) == 12 &&
+              offsetof(SegmentHeader, pid) == 16 && offsetof(SegmentHeader, numSlots) == 20 &&
+              offsetof(SegmentHeader, slotBytes) == 24 &&
+              offsetof(SegmentHeader, directBytes) == 32 &&
+              offsetof(SegmentHeader, arrived) == 64 &&
+              offsetof(SegmentHeader, staged) == 128 && offsetof(SegmentHeader, posted) == 192 &&
+              offsetof(SegmentHeader, consumed) == 256 && offsetof(SegmentHeader, failed) == 320 &&
+              offsetof(SegmentHeader, desc) == 384 && offsetof(SegmentHeader, failureText) == 640 &&
+              sizeof(SegmentHeader) == 1088);
 
 class ShmTransport final : public Transport,
                           public RingLink,

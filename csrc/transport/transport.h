@@ -1,20 +1,22 @@
 // The transport interface: how bytes move between ranks, without knowing
 // which collective or schedule moves them. Algorithms (algorithms/) are
-// written against RingLink and PeerMemory only; shm implements them today,
-// cuda_ipc and nccl implement the same names.
+// written against these classes only. Every transport implements Transport,
+// RingLink and LocalOps with the same method names: shm (CPU, one host),
+// cuda_ipc (GPU memory mapped between processes, one host) and nccl (NCCL
+// send/recv through transport/sendrecv_ring.h, any hosts). PeerMemory is
+// for transports that map every peer's memory (shm, cuda_ipc).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
-#include "common/types.h"
+#include "common/descriptor.h"
 #include "kernels/cpu.h"
 
 namespace pyddp {
-
-using Clock = std::chrono::steady_clock;
 
 // One direction of the ring: this rank sends to rank+1 and receives from
 // rank-1. Each verb moves one piece (at most pieceBytes()) and returns when
@@ -80,7 +82,7 @@ class PeerMemory {
 };
 
 // A transport connects this rank to all others in two phases: setup()
-// returns a small blob that the backend all-gathers through the store,
+// returns a small blob that the engine all-gathers through the store,
 // connect() maps or opens what the blobs name, and connected() (after every
 // rank has connected) releases what bootstrap needed.
 class Transport {
@@ -114,6 +116,16 @@ class Transport {
   // Makes every current and later wait of this rank fail (group teardown).
   // Safe to call from any thread.
   virtual void abort() = 0;
+
+  // For transports whose waits run on a device, where the host does not
+  // see them fail: a wait that gave up or a peer that exited, as a message;
+  // "" while none. Safe to call from any thread.
+  virtual std::string asyncError() const { return ""; }
+  // For the Work of one device collective: a function that, called once
+  // the collective's done event has fired, returns the error the device
+  // recorded while running it ("" when none). It owns what it reads, so it
+  // may outlive the transport. Null where the device records no errors.
+  virtual std::function<std::string()> deviceErrorProbe() const { return nullptr; }
 };
 
 } // namespace pyddp

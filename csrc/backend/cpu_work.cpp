@@ -1,25 +1,12 @@
-#include "backend/work.h"
+#include "backend/cpu_work.h"
 
+#include "backend/torch_types.h"
 #include "common/check.h"
 
 namespace pyddp {
 
-c10d::OpType opTypeOf(CollectiveKind k) {
-  switch (k) {
-    case CollectiveKind::AllReduce: return c10d::OpType::ALLREDUCE;
-    case CollectiveKind::AllGather: return c10d::OpType::ALLGATHER;
-    case CollectiveKind::Broadcast: return c10d::OpType::BROADCAST;
-    case CollectiveKind::ReduceScatter: return c10d::OpType::REDUCE_SCATTER;
-    case CollectiveKind::Barrier: return c10d::OpType::BARRIER;
-    case CollectiveKind::Reduce: return c10d::OpType::REDUCE;
-    case CollectiveKind::Gather: return c10d::OpType::GATHER;
-    case CollectiveKind::Scatter: return c10d::OpType::SCATTER;
-  }
-  return c10d::OpType::UNKNOWN;
-}
-
-RingWork::RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-                   std::thread::id workerId)
+CpuWork::CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
+                 std::thread::id workerId)
     : c10d::Work(rank, opTypeOf(kind)),
       kind_(kind),
       workerId_(workerId),
@@ -27,16 +14,16 @@ RingWork::RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> output
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
-std::string RingWork::describe() const {
+std::string CpuWork::describe() const {
   const uint64_t seq = seq_.load(std::memory_order_relaxed);
   return std::string(toString(kind_)) + (seq ? " #" + std::to_string(seq) : " (queued)");
 }
 
-bool RingWork::isCompleted() {
+bool CpuWork::isCompleted() {
   return c10d::Work::isCompleted() && future_->completed();
 }
 
-bool RingWork::wait(std::chrono::milliseconds timeout) {
+bool CpuWork::wait(std::chrono::milliseconds timeout) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!completed_) {
@@ -61,12 +48,12 @@ bool RingWork::wait(std::chrono::milliseconds timeout) {
 
 // The Work completes first: a future callback that waits for this Work
 // (on the worker thread) then finds it done.
-void RingWork::complete() {
+void CpuWork::complete() {
   finish();
   future_->markCompleted(c10::IValue(outputs_));
 }
 
-void RingWork::fail(std::exception_ptr error) {
+void CpuWork::fail(std::exception_ptr error) {
   finish(error);
   future_->setError(error);
 }

@@ -1,11 +1,11 @@
-// Launchers of the cuda_ipc flag kernels (ipc_kernels.cu): one thread
+// Launchers of the cuda_ipc flag kernels (cuda_ipc_kernels.cu): one thread
 // each, enqueued between the data kernels of a ring verb or direct round.
-// See ipc_protocol.h for the protocol they implement.
+// See cuda_ipc_protocol.h for the protocol they implement.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include "transport/ipc_protocol.h"
+#include "transport/cuda_ipc_protocol.h"
 
 namespace pyddp {
 namespace ipc {

@@ -1,4 +1,4 @@
-#include "transport/p2p_sim.h"
+#include "testing/sendrecv_sim.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -9,10 +9,10 @@
 
 #include "algorithms/collectives.h"
 #include "common/check.h"
-#include "transport/p2p.h"
+#include "transport/sendrecv_ring.h"
 
 namespace pyddp {
-namespace p2p {
+namespace sendrecv {
 namespace {
 
 // The ranks' links and one MAX all-reduce, under one mutex. Operations on
@@ -131,7 +131,7 @@ class Network {
   DescWords acc_{}, result_{};
 };
 
-class SimOps final : public P2pOps {
+class SimOps final : public SendRecvOps {
  public:
   SimOps(Network& net, int rank) : net_(net), rank_(rank) {}
   void post(const void* send, size_t sendBytes, void* recv, size_t recvBytes) override {
@@ -165,13 +165,13 @@ class SimTransport final : public Transport, private LocalOps {
         sendScratch_(pieceBytes),
         ring_(ops_, pieceBytes, recvScratch_.data(), sendScratch_.data()) {}
 
-  const char* name() const override { return "p2p-sim"; }
+  const char* name() const override { return "sendrecv-sim"; }
   std::string setup() override { return ""; }
   std::string whyNotConnect(int, const std::string&) const override { return ""; }
   void connect(const std::vector<std::string>&) override {}
   void connected() override {}
   void enter(const CollectiveDesc& desc, Clock::time_point) override {
-    const std::string why = descMismatch(desc, net_.allReduceMax(rank_, encodeDesc(desc)), rank_);
+    const std::string why = mismatch(desc, net_.allReduceMax(rank_, encodeWords(desc)), rank_);
     PYDDP_CHECK_COMM(why.empty(), why);
   }
   RingLink& ring() override { return ring_; }
@@ -180,7 +180,7 @@ class SimTransport final : public Transport, private LocalOps {
   void abandon(const std::string& why) override { net_.fail(why); }
   void abort() override { net_.fail(c10::str("pyddp: rank ", rank_, " aborted")); }
 
-  P2pRing& p2pRing() { return ring_; }
+  SendRecvRing& sendRecvRing() { return ring_; }
 
  private:
   void copy(void* dst, const void* src, size_t bytes) override {
@@ -195,7 +195,7 @@ class SimTransport final : public Transport, private LocalOps {
   const int rank_;
   SimOps ops_;
   std::vector<char> recvScratch_, sendScratch_;
-  P2pRing ring_;
+  SendRecvRing ring_;
 };
 
 void runRank(SimTransport& t, const CollectiveDesc& desc, const kernels::ReduceSpec& spec,
@@ -226,7 +226,7 @@ void runRank(SimTransport& t, const CollectiveDesc& desc, const kernels::ReduceS
       algorithms::barrier(call);
       break;
     default:
-      PYDDP_CHECK_VALUE(false, "the p2p simulation has no ring algorithm for ",
+      PYDDP_CHECK_VALUE(false, "the send/recv simulation has no ring algorithm for ",
                         toString(desc.kind));
   }
 }
@@ -257,10 +257,10 @@ std::vector<std::string> simulateRing(const std::vector<CollectiveDesc>& descs,
           CollectiveDesc desc = descs[r];
           desc.seq += i;
           runRank(*transports[r], desc, specs[r], inputs[r], outputs[r], r, n, timeout);
-          if (flushAfter) transports[r]->p2pRing().flush();
-          PYDDP_CHECK(!transports[r]->p2pRing().sendPending(), "rank ", r, " finished ",
+          if (flushAfter) transports[r]->sendRecvRing().flush();
+          PYDDP_CHECK(!transports[r]->sendRecvRing().sendPending(), "rank ", r, " finished ",
                       toString(desc.kind), " #", desc.seq, " with a send still pending: "
-                      "P2pRing::flush() was not called");
+                      "SendRecvRing::flush() was not called");
         }
       } catch (const std::exception& e) {
         errors[r] = messageOf(e);
@@ -272,5 +272,5 @@ std::vector<std::string> simulateRing(const std::vector<CollectiveDesc>& descs,
   return errors;
 }
 
-} // namespace p2p
+} // namespace sendrecv
 } // namespace pyddp

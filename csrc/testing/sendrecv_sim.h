@@ -1,5 +1,6 @@
 // An in-process stand-in for NCCL's point-to-point groups, for CPU tests of
-// P2pRing and the descriptor check (p2p.h) under the real algorithms
+// SendRecvRing (transport/sendrecv_ring.h) and the descriptor check by
+// words (common/descriptor.h) under the real algorithms
 // (algorithms/collectives.h): the ranks are threads of one process, and a
 // send completes only once its receiver has posted the matching receive
 // (the strictest behaviour NCCL allows), so a pairing that could deadlock
@@ -10,21 +11,21 @@
 #include <string>
 #include <vector>
 
-#include "common/types.h"
+#include "common/descriptor.h"
 #include "kernels/cpu.h"
 
 namespace pyddp {
-namespace p2p {
+namespace sendrecv {
 
 // One collective on every simulated rank. Rank r runs descs[r] (ranks may
 // disagree, to test the check) with op specs[r], reading inputs[r] and
-// writing outputs[r] (host buffers shaped as the backend shapes them:
+// writing outputs[r] (host buffers shaped as the engine shapes them:
 // all_gather's output and reduce_scatter's input hold world-size blocks of
 // descs[r].count elements; broadcast runs in place on outputs[r]).
 // Each rank runs its collective `repeats` times in a row on the same
 // transport (sequence numbers descs[r].seq, +1, ...), to catch state
 // carried between collectives. flushAfter=false leaves out
-// P2pRing::flush() (a backend that forgets it).
+// SendRecvRing::flush() (an engine that forgets it).
 // Returns each rank's error message ("" when it succeeded); a rank that
 // fails makes the others' waits fail at once.
 std::vector<std::string> simulateRing(const std::vector<CollectiveDesc>& descs,
@@ -33,5 +34,5 @@ std::vector<std::string> simulateRing(const std::vector<CollectiveDesc>& descs,
                   size_t pieceBytes, int repeats, bool flushAfter,
                   std::chrono::milliseconds timeout);
 
-} // namespace p2p
+} // namespace sendrecv
 } // namespace pyddp

@@ -1,4 +1,4 @@
-"""The cuda_ipc transport's wait decision (transport/ipc_protocol.h).
+"""The cuda_ipc transport's wait decision (transport/cuda_ipc_protocol.h).
 
 The device kernels call the same __host__ __device__ function on every look
 at a flag; here it runs on the CPU. Error codes: 0 satisfied, 1 timeout,

@@ -12,6 +12,8 @@
 // Ownership: every field of a rank's buffer is written by that rank only
 // (its kernels, or its host through its own stream), except probe[k], which
 // only rank k writes (the peer-access check at connect). Peers only read.
+// A header starts with a magic number and a layout version, so that a peer
+// of another layout is refused at connect instead of misread.
 //
 // Protocol (the shm transport's, moved onto the GPU; flags start at 0 and
 // only increase, never reset, so no flag is ever read in a stale epoch):
@@ -63,21 +65,32 @@ struct alignas(kFlagAlign) Flag {
 };
 static_assert(sizeof(Flag) == kFlagAlign);
 
+constexpr uint64_t kIpcMagic = 0x7079646470697063ull;  // "pyddpipc"
+constexpr uint32_t kIpcLayoutVersion = 1;
+
 struct alignas(kFlagAlign) IpcHeader {
   Flag posted;    // ring pieces this rank wrote into its slots
   Flag consumed;  // ring pieces this rank read from its left peer's slots
   Flag staged;    // direct rounds this rank staged
   Flag failed;    // nonzero: this rank gave up
-  // The bootstrap token of this rank (written once at setup), read by
-  // peers to prove they map this very buffer.
+  // Written once at setup; peers read them at connect to check that they
+  // map a buffer of this layout, and this very buffer (the token is also
+  // in the bootstrap blob).
+  uint64_t magic;
+  uint32_t layoutVersion;
+  uint32_t reserved;
   uint64_t token;
   // probe[k]: written by rank k at connect and read back, proving that rank
   // k can write here.
   uint64_t probe[kMaxRanks];
 };
-static_assert(sizeof(IpcHeader) % kFlagAlign == 0);
-static_assert(offsetof(IpcHeader, posted) % kFlagAlign == 0);
-static_assert(offsetof(IpcHeader, failed) % kFlagAlign == 0);
+// The exact layout, pinned: a peer built from other sources must agree on
+// every offset (magic and layoutVersion say whether it does).
+static_assert(offsetof(IpcHeader, posted) == 0 && offsetof(IpcHeader, consumed) == 128 &&
+              offsetof(IpcHeader, staged) == 256 && offsetof(IpcHeader, failed) == 384 &&
+              offsetof(IpcHeader, magic) == 512 && offsetof(IpcHeader, layoutVersion) == 520 &&
+              offsetof(IpcHeader, token) == 528 && offsetof(IpcHeader, probe) == 536 &&
+              sizeof(IpcHeader) == 768);
 
 // What a wait kernel does: up to kMaxRanks conditions "flag >= target",
 // each naming the rank that writes the flag and that rank's failed flag.

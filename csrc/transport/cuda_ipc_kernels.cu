@@ -1,8 +1,9 @@
-// The cuda_ipc flag kernels. Lean on purpose (BUILD-NOTES: every include
-// costs compile time): CUDA runtime and the plain protocol header only.
+// The cuda_ipc flag kernels. Lean on purpose (docs/building.md: every
+// include costs compile time): CUDA runtime and the plain protocol header
+// only.
 #include <cuda_runtime.h>
 
-#include "transport/ipc_kernels.h"
+#include "transport/cuda_ipc_kernels.h"
 
 namespace pyddp {
 namespace ipc {

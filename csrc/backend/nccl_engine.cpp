@@ -1,4 +1,4 @@
-#include "backend/nccl_backend.h"
+#include "backend/nccl_engine.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
@@ -7,7 +7,8 @@
 
 #include <algorithm>
 
-#include "backend/ring_backend.h"
+#include "backend/bootstrap.h"
+#include "common/blob.h"
 #include "common/check.h"
 
 namespace pyddp {
@@ -19,8 +20,6 @@ using Ms = std::chrono::milliseconds;
 // wait for peers that are not tearing down, shutdown gives up after this
 // and aborts instead, so destroying a group never takes the whole timeout.
 constexpr Ms kFinalizeTimeout(10000);
-
-constexpr const char* kStoreKey = "pyddp/nccl/unique_id";
 
 // A tensor NCCL can use: the tensor itself when contiguous, else a
 // contiguous copy (made on the current, internal stream) whose result
@@ -43,58 +42,46 @@ at::Tensor apart(const at::Tensor& block, const at::Tensor& whole, int rank) {
 }
 
 // The group's device, once the arguments are known to be valid.
-c10::Device checkedDevice(int rank, int size, int device) {
+c10::Device checkedDevice(int rank, int size, c10::Device device) {
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
   const int devices = c10::cuda::device_count();
-  PYDDP_CHECK_COMM(device >= 0 && device < devices, "rank ", rank,
-                   ": the NCCL backend needs CUDA device ", device, ", but ", devices,
-                   " CUDA devices are visible", devices == 0 ? " (no GPU, or no driver)" : "",
-                   "; NCCL ", nccl::versionString(), " runs collectives of CUDA tensors only");
-  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  PYDDP_CHECK_COMM(device.is_cuda() && device.index() >= 0 && device.index() < devices, "rank ",
+                   rank, ": the NCCL engine needs CUDA device ", static_cast<int>(device.index()),
+                   ", but ", devices, " CUDA devices are visible",
+                   devices == 0 ? " (no GPU, or no driver)" : "", "; NCCL ",
+                   nccl::versionString(), " runs collectives of CUDA tensors only");
+  return device;
 }
 
 } // namespace
 
-NcclBackend::NcclBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                         std::chrono::milliseconds timeout, int device)
-    : c10d::Backend(rank, size),
-      timeout_(timeout),
-      device_(checkedDevice(rank, size, device)),
-      checks_(rank, size, device_, "this NCCL process group") {
+NcclEngine::NcclEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       Ms timeout, c10::Device device)
+    : Engine(rank, size, checkedDevice(rank, size, device), "nccl"), timeout_(timeout) {
   PYDDP_CHECK_VALUE(timeout.count() > 0, "timeout must be positive, got ", timeout.count(),
                     " ms");
-  std::string id;
-  if (rank == 0) {
-    id = nccl::newUniqueId();
-    store->set(kStoreKey, std::vector<uint8_t>(id.begin(), id.end()));
-  } else {
-    try {
-      store->wait({kStoreKey}, timeout);
-    } catch (const std::exception& e) {
-      PYDDP_CHECK_COMM(false, "rank 0 did not publish the NCCL unique id within ",
-                       timeout.count(), " ms (rank ", rank, " waited for store key '", kStoreKey,
-                       "'): ", messageOf(e));
-    }
-    const std::vector<uint8_t> v = store->get(kStoreKey);
-    id.assign(v.begin(), v.end());
-  }
+  executor_ = std::make_unique<DeviceExecutor>(rank, device_, timeout);
+  // Rank 0 makes the communicator's unique id; every rank learns it.
+  const std::string mine = rank == 0 ? BlobWriter().putBytes("unique_id", nccl::newUniqueId()).str()
+                                     : "";
+  const auto blobs = bootstrap::allGather(*store, "nccl_id", mine, rank, size, timeout);
+  const std::string id = BlobReader(blobs[0], "rank 0's NCCL unique id").bytes("unique_id");
   comm_ = std::make_unique<nccl::Communicator>(id, rank, size, device_.index(),
                                                Clock::now() + timeout);
-  stream_ = std::make_unique<gpu::CollectiveStream>(device_);
-  monitor_ = std::make_unique<gpu::WorkMonitor>(
-      rank, device_.index(), [this] { return comm_->asyncError(); },
-      [this](const std::string&) { comm_->abort(); });
+  executor_->start(DeviceExecutor::Hooks{
+      nullptr, [this] { return comm_->asyncError(); },
+      [this](const std::string&) { comm_->abort(); }, nullptr});
 }
 
-NcclBackend::~NcclBackend() {
+NcclEngine::~NcclEngine() {
   shutdown();
 }
 
-void NcclBackend::shutdown() {
+void NcclEngine::shutdown() {
   if (shutDown_.exchange(true)) return;
-  const bool pending = monitor_->stop(c10::str(
-      "rank ", rank_, ": the process group was destroyed before this collective finished"));
+  const bool pending = executor_->stop("the process group was destroyed");
+  if (!comm_) return;
   if (pending) {
     comm_->abort();
   } else {
@@ -102,77 +89,58 @@ void NcclBackend::shutdown() {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::launch(CollectiveKind kind,
-                                                   const std::vector<at::Tensor>& inputs,
-                                                   std::vector<at::Tensor> outputs,
-                                                   bool hostBlocking, bool asyncOp,
-                                                   const Enqueue& enqueue) {
-  c10::intrusive_ptr<gpu::CudaWork> work;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    PYDDP_CHECK(!shutDown_.load(), "rank ", rank_, ": ", toString(kind),
-                " on a process group that was destroyed");
-    const std::string failure = monitor_->failure();
-    PYDDP_CHECK_COMM(failure.empty(), "rank ", rank_, ": ", toString(kind),
-                     " refused: an earlier collective failed and left the process group "
-                     "unusable (", failure, "); destroy it and create a new one");
-    const std::string what = c10::str(toString(kind), " #", nextSeq_++);
-    work = c10::make_intrusive<gpu::CudaWork>(rank_, kind, what, device_, outputs,
-                                              hostBlocking);
-    try {
-      gpu::StreamScope scope(*stream_);
-      for (const auto& t : inputs) scope.use(t);
-      for (const auto& t : outputs) scope.use(t);
-      enqueue(scope, Clock::now() + timeout_);
-      work->enqueued(stream_->stream());
-    } catch (const std::exception& e) {
-      // The peers run this collective without us, or the communicator is
-      // half-way through a call: either way this group cannot go on.
-      monitor_->fail(c10::str("rank ", rank_, ": ", what, " failed: ", messageOf(e)));
-      throw;
-    }
-    monitor_->watch(work, timeout_);
-  }
-  if (!asyncOp) work->wait();
-  return work;
+c10::intrusive_ptr<c10d::Work> NcclEngine::launch(CollectiveKind kind,
+                                                  std::vector<at::Tensor> inputs,
+                                                  std::vector<at::Tensor> outputs, bool asyncOp,
+                                                  Enqueue enqueue) {
+  CollectiveDesc desc;
+  desc.kind = kind;
+  const cudaStream_t stream = executor_->stream();
+  return executor_->submit(
+      Collective{desc, std::move(outputs), std::move(inputs),
+                 [&](const CollectiveDesc&, Clock::time_point deadline) {
+                   enqueue(stream, deadline);
+                 },
+                 [] {}, kind == CollectiveKind::Barrier},
+      asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::allReduce(const at::Tensor& tensor, RedOp op,
-                                                      bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> NcclEngine::allReduce(const at::Tensor& tensor, RedOp op,
+                                                     bool asyncOp) {
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
   checks_.op(op, dtype, "all_reduce");
-  return launch(CollectiveKind::AllReduce, {tensor}, {tensor}, false, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+  return launch(CollectiveKind::AllReduce, {tensor}, {tensor}, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);
                   if (buf.numel() == 0) return;
                   comm_->run("ncclAllReduce", [&](ncclComm_t c) {
                     return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
                                          nccl::dataType(dtype), nccl::redOp(op), c,
-                                         scope.stream());
+                                         stream);
                   }, deadline);
                   copyBack(tensor, buf);
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherSingle(const at::Tensor& output,
-                                                            const at::Tensor& input,
-                                                            bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> NcclEngine::allGatherSingle(const at::Tensor& output,
+                                                           const at::Tensor& input,
+                                                           bool asyncOp) {
   const DataType dtype = checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
-  return launch(CollectiveKind::AllGather, {input}, {output}, false, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+  return launch(CollectiveKind::AllGather, {input}, {output}, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor out = dense(output);
                   const at::Tensor in = apart(dense(input), out, rank_);
                   if (in.numel() == 0) return;
                   comm_->run("ncclAllGather", [&](ncclComm_t c) {
                     return ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(),
-                                         nccl::dataType(dtype), c, scope.stream());
+                                         nccl::dataType(dtype), c, stream);
                   }, deadline);
                   copyBack(output, out);
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherList(
+c10::intrusive_ptr<c10d::Work> NcclEngine::allGatherList(
     const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool asyncOp) {
   const DataType dtype = checks_.tensor(input, "all_gather", "input");
   PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "rank ", rank_,
@@ -187,15 +155,15 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherList(
                       o.numel(), " elements, expected ", count, " (the input's)");
     checks_.writable(o, "all_gather", "tensor_list entry");
   }
-  return launch(CollectiveKind::AllGather, {input}, outputs, false, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+  return launch(CollectiveKind::AllGather, {input}, outputs, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   if (count == 0) return;
                   const at::Tensor in = dense(input);
                   // NCCL gathers into one buffer; the entries may live anywhere.
                   const at::Tensor flat = at::empty({count * size_}, input.options());
                   comm_->run("ncclAllGather", [&](ncclComm_t c) {
                     return ncclAllGather(in.data_ptr(), flat.data_ptr(), count,
-                                         nccl::dataType(dtype), c, scope.stream());
+                                         nccl::dataType(dtype), c, stream);
                   }, deadline);
                   for (int b = 0; b < size_; ++b) {
                     outputs[b].copy_(flat.narrow(0, b * count, count).view(outputs[b].sizes()));
@@ -203,51 +171,51 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::allGatherList(
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::broadcastFrom(const at::Tensor& tensor, int src,
-                                                          bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> NcclEngine::broadcastFrom(const at::Tensor& tensor, int src,
+                                                         bool asyncOp) {
   const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
   checks_.writable(tensor, "broadcast", "tensor");
   checks_.root(src, "broadcast", "src");
-  return launch(CollectiveKind::Broadcast, {tensor}, {tensor}, false, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+  return launch(CollectiveKind::Broadcast, {tensor}, {tensor}, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);
                   if (buf.numel() == 0) return;
                   comm_->run("ncclBroadcast", [&](ncclComm_t c) {
                     return ncclBroadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(),
-                                         nccl::dataType(dtype), src, c, scope.stream());
+                                         nccl::dataType(dtype), src, c, stream);
                   }, deadline);
                   copyBack(tensor, buf);
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::reduceScatterSingle(const at::Tensor& output,
-                                                                const at::Tensor& input,
-                                                                RedOp op, bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> NcclEngine::reduceScatterSingle(const at::Tensor& output,
+                                                               const at::Tensor& input,
+                                                               RedOp op, bool asyncOp) {
   const DataType dtype =
       checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
   checks_.op(op, dtype, "reduce_scatter_single");
-  return launch(CollectiveKind::ReduceScatter, {input}, {output}, false, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+  return launch(CollectiveKind::ReduceScatter, {input}, {output}, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor in = dense(input);
                   const at::Tensor out = apart(dense(output), in, rank_);
                   if (out.numel() == 0) return;
                   comm_->run("ncclReduceScatter", [&](ncclComm_t c) {
                     return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
                                              nccl::dataType(dtype), nccl::redOp(op), c,
-                                             scope.stream());
+                                             stream);
                   }, deadline);
                   copyBack(output, out);
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> NcclBackend::barrierAll(bool asyncOp) {
-  return launch(CollectiveKind::Barrier, {}, {}, /*hostBlocking=*/true, asyncOp,
-                [&](const gpu::StreamScope& scope, Clock::time_point deadline) {
+c10::intrusive_ptr<c10d::Work> NcclEngine::barrierAll(bool asyncOp) {
+  return launch(CollectiveKind::Barrier, {}, {}, asyncOp,
+                [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor one =
                       at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device_));
                   comm_->run("ncclAllReduce (barrier)", [&](ncclComm_t c) {
                     return ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclInt32, ncclSum, c,
-                                         scope.stream());
+                                         stream);
                   }, deadline);
                 });
 }

@@ -1,4 +1,4 @@
-// The Work handle of one collective: c10d's Work (wait / is_completed /
+// The Work of one CPU collective: c10d's Work (wait / is_completed /
 // exception, bound by torch) plus a future completed with the output
 // tensors, which is what torch DDP's comm hooks and get_future() use.
 #pragma once
@@ -15,14 +15,11 @@
 
 namespace pyddp {
 
-// c10d's name for a collective kind (Work::retrieveOpType).
-c10d::OpType opTypeOf(CollectiveKind kind);
-
-class RingWork final : public c10d::Work {
+class CpuWork final : public c10d::Work {
  public:
   // `workerId` is the thread that runs the group's queued collectives and
-  // their future callbacks.
-  RingWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
+  // their future callbacks (backend/cpu_executor.h).
+  CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
            std::thread::id workerId);
 
   // The collective got its sequence number and reached the transport.

@@ -1,0 +1,143 @@
+#include "backend/engine.h"
+
+#include "backend/torch_types.h"
+#include "common/check.h"
+
+namespace pyddp {
+
+Engine::Engine(int rank, int size, c10::Device device, std::string transport)
+    : c10d::Backend(rank, size),
+      device_(device),
+      transport_(std::move(transport)),
+      checks_(rank, size, device, "this group's " + transport_ + " transport") {}
+
+void Engine::refuse(const char* call) const {
+  C10_THROW_ERROR(TypeError, c10::str("pyddp: rank ", rank_, ": ", call, ": pyddp's ",
+                                      transport_, " engine does not support it"));
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::reduceTo(const at::Tensor&, RedOp, int, bool) {
+  refuse("reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::gatherTo(const std::vector<at::Tensor>&,
+                                                const at::Tensor&, int, bool) {
+  refuse("gather");
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::scatterFrom(const at::Tensor&,
+                                                   const std::vector<at::Tensor>&, int, bool) {
+  refuse("scatter");
+}
+
+// --- torch.distributed's entry points -----------------------------------------
+
+const at::Tensor& Engine::single(const std::vector<at::Tensor>& tensors, const char* call,
+                                 const char* what) const {
+  PYDDP_CHECK_VALUE(tensors.size() == 1, "rank ", rank_, ": ", call, ": got ", tensors.size(),
+                    " ", what, " tensors; the pyddp backend takes one tensor per process");
+  return tensors[0];
+}
+
+RedOp Engine::redOp(const c10d::ReduceOp& op, const char* call) const {
+  const auto ours = redOpOf(op);
+  PYDDP_CHECK_VALUE(ours.has_value(), "rank ", rank_, ": ", call, ": the pyddp backend does "
+                    "not support ReduceOp.", nameOf(op), " (supported: SUM, AVG, PRODUCT, MIN, "
+                    "MAX)");
+  return *ours;
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::allreduce(std::vector<at::Tensor>& tensors,
+                                                 const c10d::AllreduceOptions& opts) {
+  return allReduce(single(tensors, "allreduce", "input"), redOp(opts.reduceOp, "allreduce"),
+                   opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::broadcast(std::vector<at::Tensor>& tensors,
+                                                 const c10d::BroadcastOptions& opts) {
+  PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": broadcast: rootTensor ",
+                    opts.rootTensor, " given; the pyddp backend takes one tensor per process");
+  return broadcastFrom(single(tensors, "broadcast", "input"), static_cast<int>(opts.rootRank),
+                       opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::reduce(std::vector<at::Tensor>& tensors,
+                                              const c10d::ReduceOptions& opts) {
+  PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": reduce: rootTensor ",
+                    opts.rootTensor, " given; the pyddp backend takes one tensor per process");
+  return reduceTo(single(tensors, "reduce", "input"), redOp(opts.reduceOp, "reduce"),
+                  static_cast<int>(opts.rootRank), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                 std::vector<at::Tensor>& inputs,
+                                                 const c10d::AllgatherOptions& opts) {
+  PYDDP_CHECK_VALUE(outputs.size() == 1, "rank ", rank_, ": allgather: got ", outputs.size(),
+                    " output lists; the pyddp backend takes one per process");
+  return allGatherList(outputs[0], single(inputs, "allgather", "input"), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                       const c10d::AllgatherOptions& opts) {
+  return allGatherSingle(output, input, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                              std::vector<at::Tensor>& inputs,
+                                              const c10d::GatherOptions& opts) {
+  // torch passes one (possibly empty) output list per process.
+  PYDDP_CHECK_VALUE(outputs.size() <= 1, "rank ", rank_, ": gather: got ", outputs.size(),
+                    " output lists; the pyddp backend takes one per process");
+  static const std::vector<at::Tensor> none;
+  return gatherTo(outputs.empty() ? none : outputs[0], single(inputs, "gather", "input"),
+                  static_cast<int>(opts.rootRank), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::scatter(std::vector<at::Tensor>& outputs,
+                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                               const c10d::ScatterOptions& opts) {
+  // torch passes one (possibly empty) input list per process.
+  PYDDP_CHECK_VALUE(inputs.size() <= 1, "rank ", rank_, ": scatter: got ", inputs.size(),
+                    " input lists; the pyddp backend takes one per process");
+  static const std::vector<at::Tensor> none;
+  return scatterFrom(single(outputs, "scatter", "output"), inputs.empty() ? none : inputs[0],
+                     static_cast<int>(opts.rootRank), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  PYDDP_CHECK_VALUE(inputs.size() == 1, "rank ", rank_, ": reduce_scatter: got ",
+                    inputs.size(), " input lists; the pyddp backend takes one per process");
+  const at::Tensor& output = single(outputs, "reduce_scatter", "output");
+  PYDDP_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size_, "rank ", rank_,
+                    ": reduce_scatter: input list has ", inputs[0].size(),
+                    " tensors, expected world_size = ", size_);
+  const DataType dtype = checks_.tensor(output, "reduce_scatter", "output");
+  std::vector<at::Tensor> flat;
+  for (const auto& t : inputs[0]) {
+    PYDDP_CHECK_TYPE(checks_.tensor(t, "reduce_scatter", "input") == dtype, "rank ", rank_,
+                     ": reduce_scatter: input dtype ", t.scalar_type(),
+                     " differs from output dtype ", output.scalar_type());
+    PYDDP_CHECK_VALUE(t.numel() == output.numel(), "rank ", rank_,
+                      ": reduce_scatter: an input has ", t.numel(), " elements, expected ",
+                      output.numel(), " (the output's)");
+    flat.push_back(t.reshape({-1}));
+  }
+  // The list becomes one world-sized tensor, read when the call is made (as
+  // the single-tensor form reads its input).
+  return reduceScatterSingle(output, at::cat(flat), redOp(opts.reduceOp, "reduce_scatter"),
+                             opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterSingle(output, input, redOp(opts.reduceOp, "reduce_scatter_tensor"),
+                             opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::barrier(const c10d::BarrierOptions& opts) {
+  return barrierAll(opts.asyncOp);
+}
+
+} // namespace pyddp

@@ -1,0 +1,131 @@
+#include "backend/engine_registry.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+
+#include "backend/ring_engine.h"
+#include "common/check.h"
+#include "transport/factory.h"
+
+#ifdef PYDDP_WITH_CUDA
+#include "backend/nccl_engine.h"
+#endif
+
+namespace pyddp {
+namespace {
+
+enum class EngineKind { Ring, Nccl };
+
+struct Candidate {
+  const char* backend;  // the user's name that selects it
+  c10::DeviceType device;
+  EngineKind engine;
+  const char* transport;
+};
+
+// Candidates in order of preference. "auto" on a CUDA device: GPU memory
+// mapped between processes when every rank reaches every peer's memory
+// (one host, peer access proven at connect), else NCCL.
+constexpr Candidate kCandidates[] = {
+    {"shm", c10::kCPU, EngineKind::Ring, "shm"},
+    {"auto", c10::kCPU, EngineKind::Ring, "shm"},
+    {"cuda_ipc", c10::kCUDA, EngineKind::Ring, "cuda_ipc"},
+    {"nccl", c10::kCUDA, EngineKind::Nccl, "nccl"},
+    {"nccl_ring", c10::kCUDA, EngineKind::Ring, "nccl"},
+    {"auto", c10::kCUDA, EngineKind::Ring, "cuda_ipc"},
+    {"auto", c10::kCUDA, EngineKind::Nccl, "nccl"},
+};
+
+bool served(const Candidate& c) {
+  const auto names = transportNames();
+  return std::find(names.begin(), names.end(), c.transport) != names.end();
+}
+
+std::string describe(const Candidate& c) {
+  return std::string(c.engine == EngineKind::Nccl ? "NCCL's collectives" : "pyddp's ring") +
+      " over " + c.transport;
+}
+
+c10::intrusive_ptr<Engine> make(const Candidate& c,
+                                const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                int size, const RingOptions& options, c10::Device device) {
+  if (c.engine == EngineKind::Ring) {
+    return c10::make_intrusive<RingEngine>(store, rank, size, options, device, c.transport);
+  }
+#ifdef PYDDP_WITH_CUDA
+  return c10::make_intrusive<NcclEngine>(store, rank, size,
+                                         std::chrono::milliseconds(options.timeoutMs), device);
+#else
+  return nullptr;  // unreachable: a CPU-only build serves no NCCL candidate
+#endif
+}
+
+} // namespace
+
+std::vector<std::string> backendNames() {
+  std::vector<std::string> names;
+  for (const Candidate& c : kCandidates) {
+    if (served(c) && std::find(names.begin(), names.end(), c.backend) == names.end()) {
+      names.push_back(c.backend);
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> deviceTypesOf(const std::string& backend) {
+  std::vector<std::string> types;
+  for (const Candidate& c : kCandidates) {
+    const std::string type = c10::DeviceTypeName(c.device, /*lower_case=*/true);
+    if (c.backend == backend && served(c) &&
+        std::find(types.begin(), types.end(), type) == types.end()) {
+      types.push_back(type);
+    }
+  }
+  return types;
+}
+
+EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                        const RingOptions& options, c10::Device device,
+                        const std::string& backend) {
+  const auto names = backendNames();
+  PYDDP_CHECK_VALUE(std::find(names.begin(), names.end(), backend) != names.end(), "rank ",
+                    rank, ": backend '", backend, "' is not available; this build has ",
+                    c10::Join(", ", names));
+#ifndef PYDDP_WITH_CUDA
+  PYDDP_CHECK_TYPE(!device.is_cuda(), "rank ", rank, ": pyddp was built without CUDA, so it "
+                   "has no transport for ", device, " tensors (rebuild against a CUDA build of "
+                   "torch with nvcc installed)");
+#endif
+  std::vector<const Candidate*> candidates;
+  for (const Candidate& c : kCandidates) {
+    if (c.backend == backend && c.device == device.type() && served(c)) candidates.push_back(&c);
+  }
+  PYDDP_CHECK_TYPE(!candidates.empty(), "rank ", rank, ": backend '", backend, "' serves ",
+                   c10::Join(" and ", deviceTypesOf(backend)), " tensors, not ", device.type());
+  EngineChoice choice;
+  const TransportArgs args{rank, size, options, device.is_cpu() ? -1 : device.index(), nullptr};
+  for (const Candidate* c : candidates) {
+    const bool last = c == candidates.back();
+    const std::string why = whyNotTransport(c->transport, args);
+    if (!why.empty()) {
+      PYDDP_CHECK_VALUE(!last, "rank ", rank, ": backend '", backend, "': ", why);
+      choice.refusals.push_back(describe(*c) + ": " + why);
+      continue;
+    }
+    const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+        std::string(c->engine == EngineKind::Nccl ? "nccl" : "ring") + "-" + c->transport,
+        store);
+    try {
+      choice.engine = make(*c, prefixed, rank, size, options, device);
+      return choice;
+    } catch (const c10::DistBackendError& e) {
+      // A refusal at connect, which bootstrap made every rank see alike.
+      if (last) throw;
+      choice.refusals.push_back(describe(*c) + ": " + messageOf(e));
+    }
+  }
+  return choice;  // unreachable: the last candidate returned or threw
+}
+
+} // namespace pyddp

@@ -1,0 +1,48 @@
+// How an engine runs its collectives. A collective reaches an executor as a
+// Collective: its descriptor (the executor numbers it), the tensors it
+// returns and uses, how it moves the bytes and the local work that
+// finishes it. Executors run collectives one at a time in call order;
+// every rank issues the same collectives in the same order, so that order
+// is their sequence numbers, the same on every rank.
+//
+// CpuExecutor (CPU tensors: a worker thread, or the caller's thread) and
+// DeviceExecutor (CUDA tensors: enqueued on an internal stream) implement
+// it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <vector>
+
+#include "common/descriptor.h"
+
+namespace pyddp {
+
+struct Collective {
+  CollectiveDesc desc;              // seq is set by the executor
+  std::vector<at::Tensor> outputs;  // the Work's result and its future's value
+  // The other tensors the transfer reads or writes (inputs, scratch): a
+  // device executor protects them from the caching allocator.
+  std::vector<at::Tensor> uses;
+  // Moves the bytes, inside the transport: a failure leaves this rank out
+  // of step with its peers, and the engine refuses later collectives.
+  std::function<void(const CollectiveDesc& desc, Clock::time_point deadline)> transfer;
+  // Local work after the transfer (copying results back into the tensors).
+  std::function<void()> finish;
+  // wait() blocks the host until done (a barrier), also on a device.
+  bool hostBlocking = false;
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Runs or queues c; returns its Work at once when asyncOp, else once done.
+  virtual c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) = 0;
+  // Fails queued collectives and ends a running one within milliseconds.
+  // Idempotent.
+  virtual void shutdown() = 0;
+};
+
+} // namespace pyddp
