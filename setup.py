@@ -10,6 +10,10 @@ Which extension:
 PYDDP_BUILD_CUDA=0/1 forces the choice (1 fails loudly when a CUDA build is
 impossible). DEBUG=1 builds -O0 -g with assertions. PYDDP_BUILD_TESTING=0
 leaves out csrc/testing/ (the _testing submodule pyddp's tests use).
+PYDDP_SANITIZE=address,undefined (or thread) instruments the C++ sources
+with gcc's sanitizers (-O1 -g); Python is not instrumented, so the runtime
+must be preloaded into it (LD_PRELOAD=$(gcc -print-file-name=libasan.so) ...;
+.ci/run shows how).
 
 Sources: every .cpp under csrc/, except the CUDA-only ones listed in
 CUDA_SOURCES (with every .cu file) outside CUDA builds, and csrc/testing/
@@ -46,6 +50,7 @@ from torch.utils import cpp_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+SANITIZE = os.environ.get("PYDDP_SANITIZE", "")
 TESTING = os.environ.get("PYDDP_BUILD_TESTING", "1") != "0"
 NCCL_LIB = "libnccl.so.2"
 # The .cpp files that need CUDA or NCCL (every .cu file does too).
@@ -151,16 +156,33 @@ def sources(cuda: bool, testing: bool) -> list:
     return chosen
 
 
+def sanitizer_flags() -> list:
+    """gcc flags for PYDDP_SANITIZE (a -fsanitize= list), checked so a typo fails here."""
+    if not SANITIZE:
+        return []
+    known = {"address", "undefined", "thread", "leak"}
+    names = SANITIZE.split(",")
+    if not set(names) <= known or ("thread" in names and len(names) > 1):
+        raise RuntimeError(f"PYDDP_SANITIZE={SANITIZE!r}: use a list of {sorted(known)}, "
+                           "with thread alone")
+    # vptr checks need the type info of every class a pointer may hold, and
+    # torch's and pybind11's are spread over libraries built without it.
+    vptr = ["-fno-sanitize=vptr"] if "undefined" in names else []
+    return [f"-fsanitize={SANITIZE}", *vptr, "-fno-omit-frame-pointer", "-g"]
+
+
 def extension():
     cuda, nccl = cuda_plan()
     # Python's own CFLAGS carry -DNDEBUG; a debug build wants assertions.
-    opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3"]
-    cxx = ["-std=c++20", *opt, "-Wall", "-Wno-unused-parameter"]
+    opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O1"] if SANITIZE else ["-O3"]
+    sanitize = sanitizer_flags()
+    cxx = ["-std=c++20", *opt, "-Wall", "-Wno-unused-parameter", *sanitize]
     kwargs = dict(
         name="pyddp._C",
         sources=sources(cuda, TESTING),
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
+        extra_link_args=sanitize,
         define_macros=[("PYDDP_WITH_TESTING", "1")] if TESTING else [],
     )
     if not cuda:
@@ -172,7 +194,7 @@ def extension():
     kwargs["include_dirs"].append(nccl_inc)
     kwargs["extra_compile_args"]["nvcc"] = ["-std=c++20", *opt]
     kwargs["define_macros"].append(("PYDDP_WITH_CUDA", "1"))
-    kwargs["extra_link_args"] = [f"-L{nccl_lib}", f"-l:{NCCL_LIB}", f"-Wl,-rpath,{nccl_lib}"]
+    kwargs["extra_link_args"] += [f"-L{nccl_lib}", f"-l:{NCCL_LIB}", f"-Wl,-rpath,{nccl_lib}"]
     return cpp_extension.CUDAExtension(**kwargs)
 
 

@@ -1,16 +1,19 @@
 // The only pybind11 file of pyddp._C's public face: options, the engines
 // (bound once, through their base class) and the registry that makes them.
 // It sees backend/ and common/ only. Every call that can wait releases the
-// GIL. The test-only helpers live in csrc/testing/.
+// GIL, and lets Python's signal handlers interrupt its waits. The test-only
+// helpers live in csrc/testing/.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
 #include "backend/ring_engine.h"
 #include "common/check.h"
 #include "common/config.h"
+#include "common/interrupt.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_engine.h"
@@ -22,6 +25,65 @@
 
 namespace py = pybind11;
 using namespace pyddp;
+
+namespace {
+
+// Python's signal handlers, run by pyddp's waits (common/interrupt.h) every
+// few milliseconds with the GIL taken briefly. When a handler raises
+// (KeyboardInterrupt for Ctrl-C), the wait gives up, and the call raises the
+// handler's exception instead of the error the wait ended with.
+class PythonSignals {
+ public:
+  // `f` with the GIL released and Python's handlers installed as its
+  // interrupt check.
+  template <typename F>
+  auto run(F&& f) {
+    try {
+      auto result = [&] {
+        py::gil_scoped_release nogil;
+        InterruptScope scope([this] { return check(); });
+        return f();
+      }();
+      raiseIfRaised();
+      return result;
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (...) {
+      // A rank interrupted at once with its peers (Ctrl-C of a whole job)
+      // may see a peer give up before its own check runs: the signal is
+      // still the reason to report.
+      if (!raised_) check();
+      raiseIfRaised();
+      throw;
+    }
+  }
+
+ private:
+  bool check() {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() == 0) return false;
+    raised_ = std::make_unique<py::error_already_set>();  // takes the pending exception
+    return true;
+  }
+  void raiseIfRaised() {
+    if (!raised_) return;
+    py::error_already_set error = std::move(*raised_);
+    raised_.reset();
+    throw error;
+  }
+
+  std::unique_ptr<py::error_already_set> raised_;
+};
+
+// An engine method as a binding that PythonSignals can interrupt.
+template <typename R, typename... A>
+auto interruptible(R (Engine::*method)(A...)) {
+  return [method](Engine& engine, A... args) {
+    return PythonSignals().run([&] { return (engine.*method)(args...); });
+  };
+}
+
+} // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
@@ -67,23 +129,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Engine, c10d::Backend, c10::intrusive_ptr<Engine>>(
       m, "Engine", "Runs a group's collectives for the tensors of one device.")
-      .def("all_reduce", &Engine::allReduce, py::arg("tensor"), py::arg("op"),
-           py::arg("async_op"), release)
-      .def("all_gather_single", &Engine::allGatherSingle, py::arg("output"), py::arg("input"),
-           py::arg("async_op"), release)
-      .def("all_gather", &Engine::allGatherList, py::arg("tensor_list"), py::arg("tensor"),
-           py::arg("async_op"), release)
-      .def("broadcast", &Engine::broadcastFrom, py::arg("tensor"), py::arg("src"),
-           py::arg("async_op"), release)
-      .def("reduce_scatter_single", &Engine::reduceScatterSingle, py::arg("output"),
-           py::arg("input"), py::arg("op"), py::arg("async_op"), release)
-      .def("barrier", &Engine::barrierAll, py::arg("async_op"), release)
-      .def("reduce", &Engine::reduceTo, py::arg("tensor"), py::arg("op"), py::arg("dst"),
-           py::arg("async_op"), release)
-      .def("gather", &Engine::gatherTo, py::arg("gather_list"), py::arg("tensor"),
-           py::arg("dst"), py::arg("async_op"), release)
-      .def("scatter", &Engine::scatterFrom, py::arg("tensor"), py::arg("scatter_list"),
-           py::arg("src"), py::arg("async_op"), release)
+      .def("all_reduce", interruptible(&Engine::allReduce), py::arg("tensor"), py::arg("op"),
+           py::arg("async_op"))
+      .def("all_gather_single", interruptible(&Engine::allGatherSingle), py::arg("output"),
+           py::arg("input"), py::arg("async_op"))
+      .def("all_gather", interruptible(&Engine::allGatherList), py::arg("tensor_list"),
+           py::arg("tensor"), py::arg("async_op"))
+      .def("broadcast", interruptible(&Engine::broadcastFrom), py::arg("tensor"), py::arg("src"),
+           py::arg("async_op"))
+      .def("reduce_scatter_single", interruptible(&Engine::reduceScatterSingle),
+           py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))
+      .def("barrier", interruptible(&Engine::barrierAll), py::arg("async_op"))
+      .def("reduce", interruptible(&Engine::reduceTo), py::arg("tensor"), py::arg("op"),
+           py::arg("dst"), py::arg("async_op"))
+      .def("gather", interruptible(&Engine::gatherTo), py::arg("gather_list"),
+           py::arg("tensor"), py::arg("dst"), py::arg("async_op"))
+      .def("scatter", interruptible(&Engine::scatterFrom), py::arg("tensor"),
+           py::arg("scatter_list"), py::arg("src"), py::arg("async_op"))
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);
@@ -97,6 +159,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("timeout_ms", [](const NcclEngine& e) { return e.timeout().count(); });
 #endif
 
+  m.def(
+      "wait",
+      [](const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
+        return PythonSignals().run([&] { return work->wait(timeout); });
+      },
+      py::arg("work"), py::arg("timeout"),
+      "work.wait(timeout) (0: no limit), interruptible by Python's signal handlers.");
+  m.def("join_stopped_workers", &joinStoppedWorkers, release,
+        "Joins CPU workers stopped from their own future callbacks (pyddp calls it at exit).");
+
   m.def("backend_names", &backendNames, "The backend names this build serves.");
   m.def("device_types_of", &deviceTypesOf, py::arg("backend"),
         "The device types (\"cpu\", \"cuda\") a group of `backend` serves.");
@@ -104,11 +176,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "make_engine",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const RingOptions& options, c10::Device device, const std::string& backend) {
-        EngineChoice choice = makeEngine(store, rank, size, options, device, backend);
+        EngineChoice choice = PythonSignals().run(
+            [&] { return makeEngine(store, rank, size, options, device, backend); });
         return std::make_pair(choice.engine, choice.refusals);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("device"),
-      py::arg("backend"), release,
+      py::arg("backend"),
       "(engine, refusals): the engine of `backend` for `device`, and why each candidate "
       "before it was passed over.");
 

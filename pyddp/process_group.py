@@ -10,9 +10,12 @@ group's ``backend`` name); this module only logs the choice.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import logging
+import operator
+import weakref
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -47,6 +50,29 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 # re-create groups on one store.
 _group_ids = itertools.count()
 _default_group: Optional["ProcessGroup"] = None
+# Groups not yet shut down, for the exit hook.
+_live_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """Before the interpreter finalises: shuts down every live group (peers
+    waiting on this rank fail at once) and joins the worker threads, which
+    may still be releasing Python objects (a future callback that destroyed
+    its own group leaves its worker to be joined here). A thread that takes
+    the GIL once finalisation has begun is ended in a way that aborts the
+    process."""
+    for group in list(_live_groups):
+        group.shutdown()
+    _C.join_stopped_workers()
+
+
+def _timeout_arg(timeout: object, what: str) -> datetime.timedelta:
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"pyddp: {what} must be a datetime.timedelta, got {timeout!r}")
+    if timeout <= datetime.timedelta(0):
+        raise ValueError(f"pyddp: {what} must be positive, got {timeout!r}")
+    return timeout
 
 
 class Work:
@@ -58,12 +84,13 @@ class Work:
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         """Blocks until the collective is done; raises its error, if any.
 
-        ``timeout`` bounds this wait only (the group's timeout bounds the
-        collective itself).
+        ``timeout`` (a positive timedelta) bounds this wait only (the group's
+        timeout bounds the collective itself). Ctrl-C while waiting makes
+        this rank give up on the group (its peers are told) and raises
+        KeyboardInterrupt.
         """
-        if timeout is None:
-            return self._work.wait()
-        return self._work.wait(timeout)
+        limit = datetime.timedelta(0) if timeout is None else _timeout_arg(timeout, "timeout")
+        return _C.wait(self._work, limit)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -89,12 +116,26 @@ class Work:
 def _finish(work: dist.Work, async_op: bool) -> Optional[Work]:
     if async_op:
         return Work(work)
-    work.wait()
+    _C.wait(work, datetime.timedelta(0))
     return None
 
 
 class ProcessGroup:
-    """A group of ranks that run collectives together (create with init_process_group)."""
+    """A group of ranks that run collectives together (create with init_process_group).
+
+    A group is used from one thread at a time, as in ``torch.distributed``:
+    every rank must issue the same collectives in the same order, and the
+    calls of two threads have no order. A synchronous collective made while
+    another thread of this process is inside one on the same group raises
+    RuntimeError (future callbacks, which run on the group's worker thread,
+    may issue collectives: they are ordered by the collective that completed).
+    Use one group per thread instead.
+
+    Ctrl-C (or any signal handler that raises) interrupts a rank waiting in a
+    collective within milliseconds: the rank gives up on the group, its peers
+    fail at once naming it, and the handler's exception (KeyboardInterrupt)
+    is raised.
+    """
 
     def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
                  timeout: datetime.timedelta, options: RingOptions) -> None:
@@ -114,6 +155,7 @@ class ProcessGroup:
             self._make_engine(torch.device("cpu"))
         else:
             self._make_engine(self._cuda_device())
+        _live_groups.add(self)
 
     def _make_engine(self, device: torch.device) -> _C.Engine:
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
@@ -174,13 +216,36 @@ class ProcessGroup:
 
     def _op(self, op: Union[ReduceOp, "ReduceOp.RedOpType"], call: str) -> _C.RedOp:
         # ReduceOp.SUM is a RedOpType; ReduceOp(ReduceOp.SUM) wraps one in .op.
-        key = op if isinstance(op, ReduceOp.RedOpType) else getattr(op, "op", op)
+        # Nothing else: an int compares equal to a RedOpType (0 would be SUM).
+        if isinstance(op, ReduceOp.RedOpType):
+            key = op
+        elif isinstance(op, ReduceOp):
+            key = op.op
+        else:
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: op must be a ReduceOp "
+                            f"(ReduceOp.SUM, AVG, PRODUCT, MIN or MAX), got {op!r}")
         if key not in _SUPPORTED_OPS:
             raise TypeError(
                 f"pyddp: rank {self._rank}: {call}: {op} is not supported; "
                 "use ReduceOp.SUM, AVG, PRODUCT, MIN or MAX"
             )
         return _SUPPORTED_OPS[key]
+
+    def _rank_arg(self, value: object, call: str, what: str) -> int:
+        """A rank of this group given as any integral (int, numpy.int64...), as torch
+        takes it; out-of-range values get the message the engine's checks give."""
+        if isinstance(value, bool):
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int, got "
+                            f"{value!r}")
+        try:
+            rank = operator.index(value)
+        except TypeError:
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int, got "
+                            f"{value!r}") from None
+        if not 0 <= rank < self._world_size:
+            raise ValueError(f"pyddp: rank {self._rank}: {call}: {what}={rank} is not a rank of "
+                             f"this group (world_size {self._world_size})")
+        return rank
 
     def _tensor(self, t: object, call: str, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -223,10 +288,9 @@ class ProcessGroup:
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._tensor(tensor, "broadcast", "tensor")
-        if not isinstance(src, int) or isinstance(src, bool):
-            raise TypeError(f"pyddp: rank {self._rank}: broadcast: src must be an int, got {src!r}")
+        root = self._rank_arg(src, "broadcast", "src")
         engine = self._engine(t, "broadcast", "tensor")
-        return _finish(engine.broadcast(t, src, async_op), async_op)
+        return _finish(engine.broadcast(t, root, async_op), async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
@@ -248,9 +312,11 @@ class ProcessGroup:
         return _finish(last.barrier(async_op), async_op)
 
     def shutdown(self) -> None:
-        """Stops the group's engines; pending collectives fail."""
+        """Stops the group's engines: pending collectives fail, and peers waiting on this
+        rank fail at once, saying that it destroyed its group."""
         for engine in self._engines.values():
             engine.shutdown()
+        _live_groups.discard(self)
 
     def __del__(self) -> None:
         # Join the worker here, where the binding releases the GIL: a last

@@ -2,7 +2,11 @@
 
 pyddp uses torch's own stores (TCPStore, FileStore, PrefixStore) and torch's
 own URL handlers, so ``env://`` works under ``torchrun`` (including its agent
-store) and under the legacy ``torch.distributed.launch``.
+store) and under the legacy ``torch.distributed.launch``. One difference:
+where rank 0 hosts the TCPStore (``env://`` without torchrun's agent store,
+``tcp://``), it does not wait in the store's constructor for every rank to
+connect, which fails saying only how many came ("1/2 clients joined"):
+pyddp's bootstrap waits instead, naming the ranks that did not join.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import urllib.parse
 from typing import Optional, Tuple
 
 import torch.distributed as dist
@@ -36,6 +41,9 @@ def rendezvous(
             f"pyddp: init_method {init_method!r} needs explicit rank and world_size "
             f"(got rank={rank}, world_size={world_size})"
         )
+    hosted = _hosted_tcp_store(scheme, init_method, rank, world_size, timeout)
+    if hosted is not None:
+        return hosted
     store, r, w = next(
         dist.rendezvous(
             init_method,
@@ -45,6 +53,36 @@ def rendezvous(
         )
     )
     store.set_timeout(timeout)
+    return store, r, w
+
+
+def _hosted_tcp_store(scheme: str, init_method: str, rank: Optional[int],
+                      world_size: Optional[int], timeout: datetime.timedelta
+                      ) -> Optional[Tuple[dist.Store, int, int]]:
+    """Rank 0's TCPStore for env:// and tcp://, made as torch makes it but without
+    waiting for the other ranks; None where torch's handler should run (any other
+    rank, torchrun's agent store, settings torch would refuse with its own message)."""
+    if scheme not in ("env", "tcp") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    url = urllib.parse.urlparse(init_method)
+    query = dict(pair.split("=", 1) for pair in url.query.split("&") if "=" in pair)
+    if scheme == "env":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        rank_text = query.get("rank", os.environ.get("RANK")) if rank is None else str(rank)
+        size_text = (query.get("world_size", os.environ.get("WORLD_SIZE"))
+                     if world_size is None else str(world_size))
+    else:
+        host, port = url.hostname, url.port
+        rank_text, size_text = str(rank), str(world_size)
+    try:
+        r, w, p = int(rank_text), int(size_text), int(port)
+    except (TypeError, ValueError):
+        return None
+    if r != 0 or not host:
+        return None
+    use_libuv = query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
+    store = dist.TCPStore(host, p, w, is_master=True, timeout=timeout, wait_for_workers=False,
+                          multi_tenant=True, use_libuv=use_libuv)
     return store, r, w
 
 

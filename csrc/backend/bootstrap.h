@@ -2,16 +2,30 @@
 // connect a transport.
 //
 // Sequence (keys under the group's store prefix, one per rank):
-//   hello/<rank>      every rank is there before anything is created, so a
-//                     rank killed while others are still missing leaves no
-//                     shared memory behind;
+//   hello/<rank>      every rank is there before anything is created, and
+//                     says who it is (host, pid) and what its transport will
+//                     create (Transport::reserve(): shm's segment name);
 //   blob/<rank>       phase 1: the transport's setup() blob, or why this
 //                     rank could not set its transport up;
 //   connected/<rank>  phase 2: "" once connect(blobs) succeeded, else why
-//                     not (another host, no peer access);
-// then connected() releases what bootstrap needed (shm unlinks its
-// segment names). Every rank publishes its outcome before it acts on it, so
+//                     not (another host, no peer access, a forged blob);
+//                     once every rank's is there, nobody opens a peer's
+//                     segment again, and every rank reclaims every peer's
+//                     reservation (so a rank killed before it removed its
+//                     own leaves nothing behind);
+//   done/<rank>       this rank has read everything it needed, success or
+//                     failure: no rank leaves bootstrap before every live
+//                     rank it heard from got here, so the rank that hosts
+//                     the store (a TCPStore's rank 0) cannot take it away
+//                     from a peer that is still reading why it failed;
+// then connected() releases what bootstrap needed (shm unlinks its own
+// segment name). Every rank publishes its outcome before it acts on it, so
 // a refusal fails every rank alike, naming the rank that refused.
+//
+// Every store wait polls: it names every rank still missing at the timeout,
+// fails as soon as a rank it heard from has exited (naming it), and gives up
+// when the caller is interrupted (common/interrupt.h). When bootstrap fails,
+// every rank reclaims the reservations of the ranks that died.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -26,8 +40,8 @@ namespace pyddp {
 namespace bootstrap {
 
 // All-gathers one string per rank through the store under `key`/<rank>.
-// A rank that never publishes its key within `timeout` is named in the
-// error.
+// Ranks that do not publish their key within `timeout` are named in the
+// error; an interrupt ends the wait.
 std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
                                    const std::string& mine, int rank, int size,
                                    std::chrono::milliseconds timeout);

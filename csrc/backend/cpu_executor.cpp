@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <vector>
+
 #include "common/check.h"
 
 namespace pyddp {
@@ -28,7 +30,56 @@ class BusyScope {
   Queue& queue_;
 };
 
+// Workers stopped from one of their own future callbacks, until another
+// thread joins them. Process-wide: a worker outlives the executor and the
+// engine that started it. Never destroyed: a process that exits without
+// joinStoppedWorkers() (os._exit) must not run the destructor of a joinable
+// std::thread, which is std::terminate.
+class StoppedWorkers {
+ public:
+  struct Entry {
+    std::thread thread;
+    std::function<bool()> exited;  // the worker has left its loop
+  };
+
+  void add(Entry entry) {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.push_back(std::move(entry));
+  }
+
+  // Joins the workers that have left their loop (`all`: every worker),
+  // except the calling thread.
+  void join(bool all) {
+    std::vector<Entry> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        if (it->thread.get_id() != std::this_thread::get_id() && (all || it->exited())) {
+          ready.push_back(std::move(*it));
+          it = entries_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (Entry& e : ready) e.thread.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<Entry> entries_;
+};
+
+StoppedWorkers& stoppedWorkers() {
+  static auto* workers = new StoppedWorkers();
+  return *workers;
+}
+
 } // namespace
+
+void joinStoppedWorkers() {
+  stoppedWorkers().join(/*all=*/true);
+}
 
 CpuExecutor::CpuExecutor(int rank, int64_t timeoutMs) : rank_(rank), timeoutMs_(timeoutMs) {}
 
@@ -37,6 +88,7 @@ void CpuExecutor::start(Transport& transport) {
   worker_ = std::thread(workerLoop, queue_, this);
   std::lock_guard<std::mutex> lock(queue_->mu);
   queue_->workerId = worker_.get_id();
+  queue_->transport = &transport;
 }
 
 CpuExecutor::~CpuExecutor() {
@@ -61,13 +113,27 @@ void CpuExecutor::shutdown() {
         c10::str("pyddp: rank ", rank_, ": the process group was destroyed before this ",
                  toString(job.collective.desc.kind), " ran"))));
   }
-  if (!worker_.joinable()) return;
-  if (std::this_thread::get_id() == worker_.get_id()) {
-    // Destroyed from a future callback: the worker leaves its loop once the
-    // callback returns, touching only the shared Queue.
-    worker_.detach();
-  } else {
-    worker_.join();
+  if (worker_.joinable()) {
+    if (std::this_thread::get_id() == worker_.get_id()) {
+      // Destroyed from a future callback: the worker leaves its loop once
+      // the callback returns, touching only the shared Queue, and is joined
+      // by the next shutdown elsewhere or at exit.
+      std::shared_ptr<Queue> queue = queue_;
+      stoppedWorkers().add({std::move(worker_), [queue] {
+                              std::lock_guard<std::mutex> lock(queue->mu);
+                              return queue->exited;
+                            }});
+    } else {
+      worker_.join();
+      stoppedWorkers().join(/*all=*/false);
+    }
+  }
+  // Peers waiting on this rank, in a collective it will not join now, fail
+  // at once instead of at their timeout. (A collective that was running has
+  // told them already, with its own reason.)
+  if (transport_) {
+    transport_->abandon(c10::str("rank ", rank_, " destroyed its process group",
+                                 dropped.empty() ? "" : " with collectives queued"));
   }
 }
 
@@ -76,7 +142,10 @@ void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor
   std::unique_lock<std::mutex> lock(queue->mu);
   while (true) {
     queue->cv.wait(lock, [&] { return queue->stop || (!queue->jobs.empty() && !queue->busy); });
-    if (queue->stop) return;
+    if (queue->stop) {
+      queue->exited = true;
+      return;
+    }
     Job job = std::move(queue->jobs.front());
     queue->jobs.pop_front();
     BusyScope busy(lock, *queue);
@@ -90,10 +159,33 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
               " before the process group connected");
   PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
               " on a process group that was destroyed");
+  const bool onWorker = std::this_thread::get_id() == queue_->workerId;
+  const bool sync = !asyncOp && !onWorker;
+  if (sync) {
+    PYDDP_CHECK(queue_->syncCaller == std::thread::id(), "rank ", rank_, ": ",
+                toString(c.desc.kind), " refused: another thread is inside a synchronous "
+                "collective on this process group. A group is used from one thread at a time "
+                "(as in torch.distributed): collectives of two threads would pair up across "
+                "ranks in whatever order the threads reach them");
+    queue_->syncCaller = std::this_thread::get_id();
+  }
+  // An interrupted waiter gives up on the group: the running collective
+  // fails at once (its waits are aborted) and tells the peers why, and
+  // no later one runs.
+  std::weak_ptr<Queue> weak = queue_;
+  auto giveUp = [weak](const std::string& why) {
+    const auto queue = weak.lock();
+    if (!queue) return;
+    std::lock_guard<std::mutex> lock(queue->mu);
+    if (queue->stop || queue->transport == nullptr || !queue->gaveUp.empty()) return;
+    queue->gaveUp = why;
+    queue->transport->abandon(why);
+    queue->transport->abort();
+  };
   auto work = c10::make_intrusive<CpuWork>(rank_, c.desc.kind, std::move(c.outputs),
-                                           queue_->workerId);
-  Job job{std::move(c), work};
-  if (!asyncOp && std::this_thread::get_id() == queue_->workerId) {
+                                           queue_->workerId, std::move(giveUp));
+  Job job{std::move(c), work, sync};
+  if (!asyncOp && onWorker) {
     // A future callback (on the worker, inside the job that just finished
     // its transfer) waits for this call: queueing it would deadlock.
     lock.unlock();
@@ -111,10 +203,21 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
   return work;
 }
 
+void CpuExecutor::endSync(const Job& job) {
+  if (!job.sync) return;
+  std::lock_guard<std::mutex> lock(queue_->mu);
+  queue_->syncCaller = std::thread::id();
+}
+
 void CpuExecutor::run(Job& job) {
   Collective& c = job.collective;
   c.desc.seq = nextSeq_++;
   job.work->started(c.desc.seq);
+  if (brokenBy_.empty()) {
+    std::lock_guard<std::mutex> lock(queue_->mu);
+    brokenBy_ = queue_->gaveUp;
+  }
+  std::exception_ptr error;
   try {
     PYDDP_CHECK_COMM(brokenBy_.empty(), "rank ", rank_, ": ", toString(c.desc.kind), " #",
                      c.desc.seq, " refused: an earlier collective failed and left the "
@@ -129,10 +232,15 @@ void CpuExecutor::run(Job& job) {
     }
     c.finish();
   } catch (const std::exception&) {
-    job.work->fail(std::current_exception());
-    return;
+    error = std::current_exception();
   }
-  job.work->complete();
+  // Before completing: the Work's callbacks may destroy this executor.
+  endSync(job);
+  if (error) {
+    job.work->fail(error);
+  } else {
+    job.work->complete();
+  }
 }
 
 } // namespace pyddp

@@ -3,11 +3,19 @@
 // gets its Work at once and DDP overlaps communication with backward. A
 // synchronous call with nothing queued runs on the caller's thread instead,
 // saving two thread hand-offs per small message.
+//
+// A group is used from one thread at a time, as in torch.distributed: the
+// order of collectives is what pairs them across ranks, and two threads'
+// calls have none. A synchronous call made while another thread's
+// synchronous call is in flight is refused (the worker thread, running a
+// future callback, is exempt: its calls are ordered by the collective that
+// completed).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -31,28 +39,40 @@ class CpuExecutor final : public Executor {
 
   c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) override;
   // Stops the worker and makes a running collective fail within
-  // milliseconds (the transport aborts its waits); queued collectives fail.
-  // Safe from a future callback, which runs on the worker itself.
+  // milliseconds (the transport aborts its waits); queued collectives fail;
+  // then marks this rank as having given up, so peers waiting on it fail at
+  // once. Safe from a future callback, which runs on the worker itself: the
+  // worker is then joined later (joinStoppedWorkers()).
   void shutdown() override;
 
  private:
   struct Job {
     Collective collective;
     c10::intrusive_ptr<CpuWork> work;
+    bool sync;  // a synchronous call of a thread other than the worker
   };
-  // Queue and worker state, shared with the worker thread so that it stays
-  // valid when the group is destroyed from one of its own future callbacks
-  // (which run on the worker thread).
+  // Queue and worker state, shared with the worker thread and with the
+  // Works (which may outlive the executor) so that it stays valid when the
+  // group is destroyed from one of its own future callbacks (which run on
+  // the worker thread).
   struct Queue {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Job> jobs;  // mu
     bool busy = false;     // mu; a job is running (worker or caller)
-    bool stop = false;     // mu
+    bool stop = false;     // mu; the transport may be gone once set
     std::thread::id workerId;
+    Transport* transport = nullptr;  // mu
+    // mu; the thread whose synchronous call is in flight, if any.
+    std::thread::id syncCaller;
+    // mu; why this rank gave up on the group (an interrupted waiter).
+    std::string gaveUp;
+    bool exited = false;  // mu; the worker left its loop
   };
 
   void run(Job& job);
+  // The job's synchronous call is over: another thread may make one.
+  void endSync(const Job& job);
   static void workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor);
 
   const int rank_;
@@ -70,5 +90,13 @@ class CpuExecutor final : public Executor {
   std::atomic<bool> shutDown_{false};
   std::thread worker_;
 };
+
+// Joins the workers that were stopped from one of their own future
+// callbacks, except the calling thread's. pyddp calls it at interpreter
+// exit, before Python finalises: such a worker may still be releasing
+// Python objects (the callback, tensors), and a thread that takes the GIL
+// once finalisation began is ended by pthread_exit through noexcept
+// destructors, which is std::terminate.
+void joinStoppedWorkers();
 
 } // namespace pyddp

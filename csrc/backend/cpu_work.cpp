@@ -2,14 +2,16 @@
 
 #include "backend/torch_types.h"
 #include "common/check.h"
+#include "common/interrupt.h"
 
 namespace pyddp {
 
 CpuWork::CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-                 std::thread::id workerId)
+                 std::thread::id workerId, GiveUp giveUp)
     : c10d::Work(rank, opTypeOf(kind)),
       kind_(kind),
       workerId_(workerId),
+      giveUp_(std::move(giveUp)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
@@ -31,12 +33,38 @@ bool CpuWork::wait(std::chrono::milliseconds timeout) {
                   describe(), " inside a future callback of the same process group would "
                   "deadlock (callbacks run on the thread that runs the collectives); chain "
                   "it with get_future().then(...) instead");
-      if (timeout == kNoTimeout) {
-        cv_.wait(lock, [&] { return completed_; });
-      } else {
-        PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }), "rank ",
-                         rank_, ": ", describe(), " did not complete within the ",
-                         timeout.count(), " ms given to Work.wait(); it is still running");
+      // An interruptible waiter wakes up every InterruptScope::kPeriod to ask.
+      const bool bounded = timeout != kNoTimeout;
+      const auto deadline = Clock::now() + (bounded ? timeout : std::chrono::milliseconds(0));
+      const bool polls = interruptible();
+      while (!completed_) {
+        const auto now = Clock::now();
+        PYDDP_CHECK_COMM(!bounded || now < deadline, "rank ", rank_, ": ", describe(),
+                         " did not complete within the ", timeout.count(),
+                         " ms given to Work.wait(); it is still running");
+        if (!polls) {
+          if (bounded) {
+            cv_.wait_until(lock, deadline);
+          } else {
+            cv_.wait(lock);
+          }
+          continue;
+        }
+        const auto wake = now + InterruptScope::kPeriod;
+        cv_.wait_until(lock, bounded ? std::min(deadline, wake) : wake);
+        if (completed_) break;
+        // Not under mutex_: the check takes the GIL, which a thread asking
+        // is_completed() may hold.
+        lock.unlock();
+        const bool interrupted = interruptRequested();
+        lock.lock();
+        if (interrupted && !completed_) {
+          const std::string why = c10::str("rank ", rank_, ": interrupted while waiting for ",
+                                           describe(), "; this rank gave up on the group");
+          lock.unlock();
+          if (giveUp_) giveUp_(why);
+          PYDDP_CHECK_COMM(false, why);
+        }
       }
     }
     if (exception_) std::rethrow_exception(exception_);

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,10 +18,14 @@ namespace pyddp {
 
 class CpuWork final : public c10d::Work {
  public:
+  // Makes this rank give up on its group, telling the peers why.
+  using GiveUp = std::function<void(const std::string& why)>;
+
   // `workerId` is the thread that runs the group's queued collectives and
-  // their future callbacks (backend/cpu_executor.h).
+  // their future callbacks (backend/cpu_executor.h); `giveUp` is called when
+  // a waiter is interrupted before the collective completed.
   CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-           std::thread::id workerId);
+          std::thread::id workerId, GiveUp giveUp);
 
   // The collective got its sequence number and reached the transport.
   void started(uint64_t seq) { seq_.store(seq, std::memory_order_relaxed); }
@@ -29,7 +34,8 @@ class CpuWork final : public c10d::Work {
 
   // Returns once the collective is done and its future is completed, so
   // get_future().value() is ready; rethrows the collective's error. A
-  // timeout error names the rank and the call.
+  // timeout error names the rank and the call. An interrupted waiter
+  // (common/interrupt.h) gives up on the group and throws.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -44,6 +50,7 @@ class CpuWork final : public c10d::Work {
   const CollectiveKind kind_;
   std::atomic<uint64_t> seq_{0};
   const std::thread::id workerId_;
+  const GiveUp giveUp_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

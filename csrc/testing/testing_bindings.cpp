@@ -91,6 +91,10 @@ void bindTesting(py::module_& m) {
     PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
     return std::make_pair(name, static_cast<int>(st.st_mode & 0777));
   });
+  // Which peer segments connect() refuses, from what fstat() says of them.
+  t.def("shm_segment_problem", &shm::segmentProblem, py::arg("owner"), py::arg("mode"),
+        py::arg("size"), py::arg("expected"), py::arg("me"));
+  t.def("is_segment_name", &shm::isSegmentName);
   // The wire formats (common/blob.h, common/descriptor.h) on their own.
   t.def("blob_write", [](const std::vector<std::pair<std::string, std::string>>& fields,
                          const std::vector<std::pair<std::string, py::bytes>>& bytesFields) {

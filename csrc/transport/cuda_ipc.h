@@ -43,7 +43,10 @@ class CudaIpcTransport final : public Transport,
 
   // Transport
   const char* name() const override { return "cuda_ipc"; }
+  // The control segment's name: the only thing that outlives a dead rank.
+  std::string reserve() override { return control_->reserve(); }
   std::string setup() override;
+  void reclaim(const std::string& reservation) override { control_->reclaim(reservation); }
   std::string whyNotConnect(int peer, const std::string& blob) const override;
   // Maps every peer's buffer and proves access by writing and reading it
   // back (cudaDeviceCanAccessPeer is not trusted); throws why not.

@@ -20,6 +20,7 @@
 #include "common/blob.h"
 #include "common/check.h"
 #include "common/host.h"
+#include "common/interrupt.h"
 
 namespace pyddp {
 namespace shm {
@@ -44,10 +45,12 @@ inline void cpuRelax() {
 #endif
 }
 
+constexpr char kSegmentPrefix[] = "/pyddp-";
+
 std::string randomSegmentName() {
   std::random_device rd;
   std::ostringstream name;
-  name << "/pyddp-" << std::hex;
+  name << kSegmentPrefix << std::hex;
   for (int i = 0; i < 4; ++i) name << rd();
   return name.str();
 }
@@ -92,6 +95,25 @@ Blob decodeBlob(const std::string& text, int peer) {
 
 } // namespace
 
+std::string segmentProblem(uint32_t owner, uint32_t mode, int64_t size, size_t expected,
+                           uint32_t me) {
+  std::ostringstream why;
+  if (owner != me) {
+    why << "it belongs to uid " << owner << ", not to this process's uid " << me;
+  } else if ((mode & 07777) != 0600) {
+    why << "its mode is 0" << std::oct << (mode & 07777) << ", not 0600";
+  } else if (size < 0 || static_cast<uint64_t>(size) != expected) {
+    why << "it has " << size << " bytes, and this geometry makes " << expected;
+  }
+  return why.str();
+}
+
+bool isSegmentName(const std::string& name) {
+  const size_t prefix = sizeof(kSegmentPrefix) - 1;
+  return name.size() > prefix && name.compare(0, prefix, kSegmentPrefix) == 0 &&
+         name.find_first_not_of("0123456789abcdef", prefix) == std::string::npos;
+}
+
 ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
     : rank_(rank),
       worldSize_(worldSize),
@@ -107,9 +129,6 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
 
 ShmTransport::~ShmTransport() {
   if (linked_) shm_unlink(ownName_.c_str());
-  for (const auto& peer : unconnectedPeers_) {
-    if (peer.pidVisible && !processAlive(peer.pid)) shm_unlink(peer.segment.c_str());
-  }
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
   }
@@ -123,18 +142,28 @@ void ShmTransport::attach(Segment& s, void* base, size_t bytes) const {
   s.staging = s.slots + static_cast<size_t>(numSlots_) * slotBytes_;
 }
 
+size_t ShmTransport::segmentBytes() const {
+  return sizeof(SegmentHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * directBytes_;
+}
+
+std::string ShmTransport::reserve() {
+  ownName_ = randomSegmentName();
+  return ownName_;
+}
+
+void ShmTransport::reclaim(const std::string& reservation) {
+  if (isSegmentName(reservation)) shm_unlink(reservation.c_str());
+}
+
 std::string ShmTransport::setup() {
-  const size_t bytes = sizeof(SegmentHeader) +
-      static_cast<size_t>(numSlots_) * slotBytes_ + 2 * directBytes_;
-  int fd = -1;
-  // A collision of 128 random bits means another creator; pick again.
-  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
-    ownName_ = randomSegmentName();
-    fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    PYDDP_CHECK(fd >= 0 || errno == EEXIST, "rank ", rank_,
-                ": shm_open(", ownName_, ") failed: ", errnoText());
-  }
-  PYDDP_CHECK(fd >= 0, "rank ", rank_, ": could not create a unique shm segment");
+  const size_t bytes = segmentBytes();
+  if (ownName_.empty()) reserve();
+  // The name was published as ours: another one would not be reclaimed if
+  // this rank died. 128 random bits that exist already mean someone made
+  // them on purpose.
+  const int fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  PYDDP_CHECK(fd >= 0, "rank ", rank_, ": shm_open(", ownName_, ") failed: ", errnoText(),
+              errno == EEXIST ? " (a random name that exists already: who made it?)" : "");
   linked_ = true;
   // posix_fallocate, not ftruncate: on tmpfs a too-small /dev/shm then fails
   // here with ENOSPC instead of with SIGBUS at the first touch of a page.
@@ -184,8 +213,6 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     peers[peer] = decodeBlob(blobs[peer], peer);
     segments_[peer].pid = peers[peer].pid;
     segments_[peer].pidVisible = peers[peer].pidNamespace == pidNamespace_;
-    unconnectedPeers_.push_back(
-        {peers[peer].segment, peers[peer].pid, segments_[peer].pidVisible});
   }
   // Refuse before mapping anything, so every rank fails with the same reason.
   for (int peer = 0; peer < worldSize_; ++peer) {
@@ -201,23 +228,46 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
         " vs ", b.directBytes,
         "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
   }
+  // Store values are not trusted: the segment is mapped with the size this
+  // rank computes, and only once the file proves it is a peer's segment of
+  // that size (a smaller one would be read past its end).
+  const size_t bytes = segmentBytes();
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     const Blob& b = peers[peer];
+    PYDDP_CHECK(b.bytes == bytes, "rank ", rank_, ": rank ", peer, "'s shm blob says its ",
+                "segment has ", b.bytes, " bytes, but its geometry makes ", bytes,
+                " (a corrupted or forged store value?)");
     const int fd = shm_open(b.segment.c_str(), O_RDONLY, 0);
     PYDDP_CHECK(fd >= 0, "rank ", rank_, ": cannot open rank ", peer,
                 "'s shm segment ", b.segment, ": ", errnoText(),
                 " (do the ranks share /dev/shm?)");
-    void* base = mmap(nullptr, b.bytes, PROT_READ, MAP_SHARED, fd, 0);
+    struct stat st {};
+    const bool statted = fstat(fd, &st) == 0;
+    const int statErrno = errno;
+    const std::string problem = statted
+        ? segmentProblem(st.st_uid, st.st_mode, st.st_size, bytes, geteuid())
+        : std::string("fstat failed: ") + std::strerror(statErrno);
+    void* base = problem.empty() ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0)
+                                 : MAP_FAILED;
     const int mapErrno = errno;
     close(fd);
+    PYDDP_CHECK(problem.empty(), "rank ", rank_, ": refusing rank ", peer, "'s shm segment ",
+                b.segment, ": ", problem, " (a corrupted or forged store value?)");
     PYDDP_CHECK(base != MAP_FAILED, "rank ", rank_, ": mmap of rank ", peer,
                 "'s shm segment failed: ", std::strerror(mapErrno));
-    attach(segments_[peer], base, b.bytes);
+    attach(segments_[peer], base, bytes);
     const SegmentHeader& h = header(peer);
-    PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion && h.rank == peer,
+    PYDDP_CHECK(h.magic == kMagic && h.layoutVersion == kLayoutVersion,
                 "rank ", rank_, ": rank ", peer,
-                "'s shm segment has an unexpected layout (different pyddp versions?)");
+                "'s shm segment has an unexpected layout (different pyddp versions, or a "
+                "corrupted or forged store value?)");
+    PYDDP_CHECK(h.rank == peer && h.pid == b.pid && h.numSlots == numSlots_ &&
+                    h.slotBytes == slotBytes_ && h.directBytes == directBytes_,
+                "rank ", rank_, ": the shm segment ", b.segment, " named by rank ", peer,
+                "'s blob is rank ", h.rank, "'s (pid ", h.pid, ", ", h.numSlots, " slots of ",
+                h.slotBytes, " bytes), not rank ", peer, "'s (pid ", b.pid,
+                ") of this geometry (a corrupted or forged store value?)");
   }
 }
 
@@ -226,7 +276,6 @@ void ShmTransport::connected() {
     shm_unlink(ownName_.c_str());
     linked_ = false;
   }
-  unconnectedPeers_.clear();  // each owner has unlinked its own
 }
 
 std::string ShmTransport::deadPeer() const {
@@ -244,12 +293,20 @@ bool ShmTransport::peerAlive(int rank) const {
   return !s.pidVisible || processAlive(s.pid);
 }
 
+std::string ShmTransport::currentCall() const {
+  return std::string(toString(current_.kind)) + " #" + std::to_string(current_.seq);
+}
+
 void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const {
-  const std::string call = std::string(toString(current_.kind)) + " #" +
-      std::to_string(current_.seq);
-  PYDDP_CHECK_COMM(!aborted_.load(std::memory_order_relaxed), "rank ", rank_,
-                   ": the process group was destroyed while ", call, " waited for rank ",
-                   peer);
+  const std::string call = currentCall();
+  if (aborted_.load(std::memory_order_relaxed)) {
+    // Given up first (interrupted): that is the reason, not the abort.
+    const SegmentHeader& own = header(rank_);
+    PYDDP_CHECK_COMM(own.failed.value.load(std::memory_order_acquire) == 0,
+                     std::string(own.failureText, strnlen(own.failureText, kFailureTextBytes)));
+    PYDDP_CHECK_COMM(false, "rank ", rank_, ": the process group was destroyed while ", call,
+                     " waited for rank ", peer);
+  }
   const SegmentHeader& h = header(peer);
   if (const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire)) {
     PYDDP_CHECK_COMM(false, "rank ", peer, " gave up on collective #", failedIn,
@@ -292,6 +349,10 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
     }
     // Reading the clock costs tens of cycles: do it every few spins.
     if (waited >= kSpinPhase || (i & 63) == 0) now = Clock::now();
+    if (waited >= kSpinPhase && interruptRequested()) {
+      PYDDP_CHECK_COMM(false, "rank ", rank_, ": interrupted while ", currentCall(),
+                       " waited for rank ", peer);
+    }
     if (now >= nextCheck) {
       // Look at the peer before looking at the flag: a peer that posted
       // and then exited has done its part.
@@ -304,12 +365,14 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
 }
 
 void ShmTransport::abandon(const std::string& why) {
+  if (segments_[rank_].header == nullptr || abandoned_.exchange(true)) return;
   SegmentHeader& own = *segments_[rank_].header;
-  if (own.failed.value.load(std::memory_order_relaxed) != 0) return;
   const size_t n = std::min(why.size(), kFailureTextBytes - 1);
   std::memcpy(own.failureText, why.data(), n);
   own.failureText[n] = '\0';
-  own.failed.value.store(std::max<uint64_t>(current_.seq, 1), std::memory_order_release);
+  // arrived, not current_: this may run on another thread than enter().
+  const uint64_t seq = own.arrived.value.load(std::memory_order_relaxed);
+  own.failed.value.store(std::max<uint64_t>(seq, 1), std::memory_order_release);
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {

@@ -8,8 +8,13 @@
 //
 // (directBytes: RingOptions::stagingBytes(), rounded up to a cache line.)
 //
-// Segments are created 0600 under an unguessable name, unlinked as soon as
-// every rank has mapped them (connected()), and unmapped on destruction.
+// Segments are created 0600 under an unguessable name that bootstrap
+// publishes before the segment exists (reserve()), unlinked by every rank as
+// soon as every rank has mapped them (connected() and reclaim()), or by a
+// peer when the owner died before it could (reclaim()), and unmapped on
+// destruction. A peer's segment is mapped only if fstat() shows what a rank
+// of this user made for this geometry (segmentProblem()) and its header
+// names the rank, pid and geometry of the blob that named it.
 #pragma once
 
 #include <atomic>
@@ -35,6 +40,16 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 constexpr uint32_t kLayoutVersion = 1;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
+
+// Why a peer's segment, as fstat() describes it (owner uid, mode bits,
+// size), is not one this rank may map: pyddp's segments belong to the user
+// running the ranks (`me`), have mode 0600 and the size their geometry
+// implies (`expected`). "" when it is one.
+std::string segmentProblem(uint32_t owner, uint32_t mode, int64_t size, size_t expected,
+                           uint32_t me);
+// Whether `name` is one pyddp gives its segments ("/pyddp-" and hex): all a
+// store value may make a rank unlink.
+bool isSegmentName(const std::string& name);
 
 // A monotonically increasing counter on its own cache line, so that the
 // flags of different writers never share a line.
@@ -67,10 +82,14 @@ static_assert(sizeof(DescriptorSlot) == kCacheLine);
 //   only after seeing every peer at round R-1, and a peer reads round R-2's
 //   buffers before it publishes R-1, so no buffer is overwritten while read.
 //
-// Failure. A rank that gives up on collective #seq writes failureText, then
-//   stores failed = seq (release). A waiter that sees the rank it waits on
-//   with failed != 0 (acquire) reads the text and fails too, so an error
-//   travels around the ring instead of every rank waiting out its deadline.
+// Failure. A rank that gives up on collective #seq (its newest arrival)
+//   writes failureText, then stores failed = seq (release); only the first
+//   reason is written (abandon() may run on two threads at once: a failing
+//   collective and the group's destruction or an interrupt). A waiter that
+//   sees the rank it waits on with failed != 0 (acquire) reads the text and
+//   fails too, so an error travels around the ring instead of every rank
+//   waiting out its deadline. A rank that gave up and then aborts its own
+//   waits reports its own failureText.
 //
 // Ring link (this rank -> rank+1). Pieces are numbered over the life of the
 //   group. To send piece k the sender waits until the receiver's
@@ -124,7 +143,9 @@ class ShmTransport final : public Transport,
 
   // Transport
   const char* name() const override { return "shm"; }
+  std::string reserve() override;
   std::string setup() override;
+  void reclaim(const std::string& reservation) override;
   std::string whyNotConnect(int peer, const std::string& blob) const override;
   void connect(const std::vector<std::string>& blobs) override;
   void connected() override;
@@ -194,6 +215,9 @@ class ShmTransport final : public Transport,
   // ranks to blame.
   void failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const;
   bool peerAlive(int rank) const;
+  // "all_reduce #3": the collective waits are in, for messages.
+  std::string currentCall() const;
+  size_t segmentBytes() const;
 
   const int rank_;
   const int worldSize_;
@@ -204,19 +228,11 @@ class ShmTransport final : public Transport,
   const std::string hostId_;
   const std::string pidNamespace_;
 
-  std::string ownName_;
+  std::string ownName_;   // chosen by reserve()
   bool linked_ = false;  // own segment name still exists in /dev/shm
-  // Peers' segments until every rank has mapped every segment: if
-  // bootstrap fails, a peer that died cannot unlink its own, so the
-  // destructor unlinks the segments of peers it can see are dead.
-  struct PeerSegment {
-    std::string segment;
-    int pid;
-    bool pidVisible;
-  };
-  std::vector<PeerSegment> unconnectedPeers_;
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> abandoned_{false};  // the failure text is (being) written
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter

@@ -90,7 +90,16 @@ class Transport {
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
 
+  // Names what setup() will create that outlives this process if it dies
+  // (shm: the segment's name), before it exists: bootstrap publishes it
+  // first, so that a peer can remove it (reclaim()) if this rank dies before
+  // it could. "" when setup() creates nothing of the kind.
+  virtual std::string reserve() { return ""; }
   virtual std::string setup() = 0;
+  // Removes what a peer reserved, once nobody will open it again: every
+  // rank has finished connect(), or the peer died during bootstrap. Ignores
+  // what is already gone and anything this transport would not have named.
+  virtual void reclaim(const std::string& reservation) {}
   // Empty when this rank can reach `peer` through this transport; else why not.
   virtual std::string whyNotConnect(int peer, const std::string& blob) const = 0;
   virtual void connect(const std::vector<std::string>& blobs) = 0;
@@ -111,7 +120,8 @@ class Transport {
   virtual PeerMemory* peerMemory() = 0;
 
   // This rank gave up on the current collective: peers waiting on it fail
-  // at once with `why` instead of at their deadline.
+  // at once with `why` instead of at their deadline. The first reason
+  // stays; safe to call from any thread.
   virtual void abandon(const std::string& why) = 0;
   // Makes every current and later wait of this rank fail (group teardown).
   // Safe to call from any thread.

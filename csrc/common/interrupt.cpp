@@ -1,0 +1,35 @@
+#include "common/interrupt.h"
+
+namespace pyddp {
+namespace {
+
+// The innermost scope of this thread: set and reset by InterruptScope only,
+// so it is empty whenever no call into pyddp is on this thread's stack.
+thread_local InterruptScope* innermost = nullptr;
+
+} // namespace
+
+InterruptScope::InterruptScope(std::function<bool()> check)
+    : check_(std::move(check)), outer_(innermost), nextCheck_(Clock::now() + kPeriod) {
+  innermost = this;
+}
+
+InterruptScope::~InterruptScope() {
+  innermost = outer_;
+}
+
+bool interruptRequested() {
+  InterruptScope* scope = innermost;
+  if (scope == nullptr || scope->fired_) return scope != nullptr;
+  const auto now = Clock::now();
+  if (now < scope->nextCheck_) return false;
+  scope->nextCheck_ = now + InterruptScope::kPeriod;
+  scope->fired_ = scope->check_();
+  return scope->fired_;
+}
+
+bool interruptible() {
+  return innermost != nullptr;
+}
+
+} // namespace pyddp

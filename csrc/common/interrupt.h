@@ -1,0 +1,48 @@
+// How a thread blocked inside pyddp notices that its caller wants out
+// (Ctrl-C), without the core knowing who the caller is. The layer that
+// knows (pyddp's bindings: Python's signal handlers) installs a check on the
+// calling thread for the duration of one call (InterruptScope); every long
+// wait (shm waits once they stop spinning, Work.wait, bootstrap's store
+// waits) asks interruptRequested() and gives up when it says so. A thread
+// without a scope (the CPU worker, a thread torch calls from) is never
+// interrupted.
+#pragma once
+
+#include <chrono>
+#include <functional>
+
+#include "common/types.h"
+
+namespace pyddp {
+
+class InterruptScope {
+ public:
+  // How often `check` runs at most: it may be slow (Python's takes the GIL).
+  static constexpr auto kPeriod = std::chrono::milliseconds(5);
+
+  // Installs `check` (true: the caller wants out) on this thread until
+  // destroyed; scopes nest.
+  explicit InterruptScope(std::function<bool()> check);
+  ~InterruptScope();
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  friend bool interruptRequested();
+  friend bool interruptible();
+
+  std::function<bool()> check_;
+  InterruptScope* outer_;
+  Clock::time_point nextCheck_;
+  bool fired_ = false;  // once true, stays true: the signal was consumed
+};
+
+// Whether this thread's caller wants out: runs the innermost scope's check
+// at most every InterruptScope::kPeriod (false in between, and always
+// without a scope).
+bool interruptRequested();
+// Whether this thread has a scope (waits that would otherwise block without
+// looking can then wake up every kPeriod to ask).
+bool interruptible();
+
+} // namespace pyddp

@@ -1,0 +1,530 @@
+"""Faults: ranks that die, are interrupted or are lied to, and callers that misuse a group.
+
+Each test reproduces a defect found by adversarial testing deterministically
+(a store that kills its own process at one bootstrap step, forges a value or
+stalls; a signal sent at a known point) and checks what every rank sees
+afterwards, with bounded waits, and that nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyddp
+from fault_stores import Recording, Sabotage, forge_shm_blob, shm_blob_field
+from harness import Died, RankContext, Ranks, pyddp_segments
+
+MINUTE = datetime.timedelta(seconds=60)
+SHM = "/dev/shm"
+
+
+def _raises(exc_type, pattern: str, fn, *args, **kwargs) -> str:
+    import re
+    try:
+        fn(*args, **kwargs)
+    except exc_type as error:
+        message = str(error)
+        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
+        return message
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__} "
+                         f"({pattern})")
+
+
+def _exists(segment: str) -> bool:
+    return os.path.exists(SHM + segment)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(ctx: RankContext, store: dist.Store, timeout=MINUTE, options=None,
+           name: str = "g") -> pyddp.ProcessGroup:
+    pg = pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                         timeout=timeout, options=options)
+    ctx.groups[name] = pg
+    return pg
+
+
+@pytest.fixture(scope="module")
+def two():
+    pool = Ranks(2)
+    yield pool
+    pool.close()
+
+
+# --- 1 and 5: a rank that dies during init --------------------------------------
+
+
+def _survivor(ctx: RankContext, path: str) -> tuple:
+    store = Recording(dist.FileStore(path, ctx.world_size))
+    start = time.monotonic()
+    try:
+        pg = _group(ctx, store)
+    except dist.DistBackendError as error:
+        outcome = str(error)
+    else:
+        outcome = "connected: " + _raises(dist.DistBackendError, "exited", pg.all_reduce,
+                                          torch.ones(10))
+    elapsed = time.monotonic() - start
+    return outcome, elapsed, store.reservation(0), store.reservation(1)
+
+
+def _victim(ctx: RankContext, path: str, kill_before: str, kill_after: str) -> None:
+    store = Sabotage(dist.FileStore(path, ctx.world_size), kill_before=kill_before,
+                     kill_after=kill_after)
+    _group(ctx, store)
+
+
+def _victim_after_connected(ctx, path):
+    _victim(ctx, path, "", "/connected/1")
+
+
+def _victim_before_blob(ctx, path):
+    _victim(ctx, path, "/blob/1", "")
+
+
+def _init_death_pool(victim) -> tuple:
+    pool = Ranks(2)
+    try:
+        path = os.path.join(pool.tmpdir, "store")
+        survivor, died = pool.run_each([_survivor, victim], path, allow_dead=True, timeout=60)
+    finally:
+        pool.close()
+    assert isinstance(died, Died) and died.exitcode == -signal.SIGKILL, died
+    return survivor
+
+
+def test_rank_killed_after_publishing_connected_leaves_no_segment():
+    # Rank 1 dies after its "connected" key and before unlinking its own
+    # segment: the survivor, which has mapped it, removes its name.
+    outcome, elapsed, own, dead = _init_death_pool(_victim_after_connected)
+    assert outcome.startswith("connected: ") and "rank 1 (pid" in outcome, outcome
+    assert not _exists(dead), f"rank 1's segment {dead} was left in {SHM}"
+    assert not _exists(own)
+    assert elapsed < 20, elapsed
+
+
+def test_rank_killed_before_publishing_its_blob_is_named_at_once_and_leaves_no_segment():
+    # Rank 1 dies between creating its segment and publishing its blob: only
+    # its hello (pid, reserved name) is known. The survivor notices the death
+    # long before its 60 s timeout and removes the reserved name.
+    outcome, elapsed, own, dead = _init_death_pool(_victim_before_blob)
+    assert "rank 1 (pid" in outcome and "exited before the process group was connected" in (
+        outcome), outcome
+    assert "rank 1 to publish its transport's blob" in outcome, outcome
+    assert elapsed < 20, elapsed
+    assert not _exists(dead), f"rank 1's segment {dead} was left in {SHM}"
+    assert not _exists(own)
+
+
+def test_ranks_that_never_reach_the_store_are_named():
+    # tcp:// and env:// with rank 0 hosting the store: torch's store would
+    # fail with "1/3 clients joined"; pyddp names the missing ranks.
+    start = time.monotonic()
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    _raises(dist.DistBackendError, r"ranks 1, 2 did not join the process group within 2000 ms",
+            pyddp.new_group, "shm", init_method=url, rank=0, world_size=3,
+            timeout=datetime.timedelta(seconds=2))
+    assert time.monotonic() - start < 15
+
+
+def test_env_rendezvous_names_the_missing_rank(monkeypatch):
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                       "RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    _raises(dist.DistBackendError, r"^pyddp: rank 1 did not join the process group within",
+            pyddp.new_group, "shm", timeout=datetime.timedelta(seconds=2))
+
+
+# --- 3: forged store values ----------------------------------------------------------
+
+
+def _forged(ctx: RankContext, case: str, fake: str) -> str:
+    """Rank 1 reads rank 0's blob through a forger; returns what each rank raised."""
+    inner = dist.FileStore(ctx.store_path(f"forge-{case}"), ctx.world_size)
+    if ctx.rank == 0:
+        store = inner
+    else:
+        def forger(outcome: bytes) -> bytes:
+            size = int(shm_blob_field(outcome, "bytes"))
+            if case == "small":
+                return forge_shm_blob(outcome, bytes=str(size - 4096))
+            if case == "large":
+                return forge_shm_blob(outcome, bytes=str(size + 4096))
+            if case in ("mode", "size", "header"):
+                length = {"size": size + 64}.get(case, size)
+                fd = os.open(SHM + fake, os.O_CREAT | os.O_EXCL | os.O_RDWR,
+                             0o644 if case == "mode" else 0o600)
+                os.fchmod(fd, 0o644 if case == "mode" else 0o600)  # whatever the umask
+                os.ftruncate(fd, length)
+                os.close(fd)
+                return forge_shm_blob(outcome, segment=fake)
+            # "own": rank 0's blob names rank 1's own segment
+            return forge_shm_blob(outcome, segment=store.reservation(1))
+        store = Sabotage(inner, forge="/blob/0", forger=forger)
+    try:
+        return _raises(Exception, ".", _group, ctx, store, name=f"forge-{case}")
+    finally:
+        if ctx.rank == 1 and _exists(fake):
+            os.remove(SHM + fake)
+
+
+@pytest.mark.parametrize("case, refusal", [
+    ("small", r"rank 0's shm blob says its segment has \d+ bytes, but its geometry makes"),
+    ("large", r"rank 0's shm blob says its segment has \d+ bytes, but its geometry makes"),
+    ("mode", r"refusing rank 0's shm segment /pyddp-\w+: its mode is 0644, not 0600"),
+    ("size", r"refusing rank 0's shm segment /pyddp-\w+: it has \d+ bytes, and this geometry"),
+    ("header", r"rank 0's shm segment has an unexpected layout"),
+    ("own", r"named by rank 0's blob is rank 1's .*not rank 0's"),
+])
+def test_forged_blobs_are_refused_on_every_rank(two, case, refusal):
+    fake = f"/pyddp-{os.getpid():x}{case.encode().hex()}"
+    message0, message1 = two.run(_forged, case, fake)
+    assert re_search(refusal, message1), message1
+    assert "forged store value" in message1, message1
+    assert "rank 1 refused" in message0 and re_search(refusal, message0), message0
+    assert not _exists(fake)
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+    return re.search(pattern, text) is not None
+
+
+def test_segment_checks():
+    problem = pyddp._C._testing.shm_segment_problem
+    me = os.geteuid()
+    assert problem(me, stat.S_IFREG | 0o600, 4096, 4096, me) == ""
+    assert problem(me + 1, stat.S_IFREG | 0o600, 4096, 4096, me) == (
+        f"it belongs to uid {me + 1}, not to this process's uid {me}")
+    assert problem(me, stat.S_IFREG | 0o640, 4096, 4096, me) == "its mode is 0640, not 0600"
+    assert problem(me, stat.S_IFREG | 0o4600, 4096, 4096, me) == "its mode is 04600, not 0600"
+    assert problem(me, stat.S_IFREG | 0o600, 4095, 4096, me) == (
+        "it has 4095 bytes, and this geometry makes 4096")
+    name = pyddp._C._testing.is_segment_name
+    assert name("/pyddp-0123abcdef") and not name("/pyddp-") and not name("/pyddp-x1")
+    assert not name("/other-01") and not name("/pyddp-01/../x")
+
+
+# --- 6: a refusal while the store's host leaves -----------------------------------
+
+
+def _geometry_with_store_host(ctx: RankContext, port: int) -> str:
+    options = pyddp.RingOptions()
+    options.slot_bytes = 128 * (ctx.rank + 1)
+    if ctx.rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                              timeout=MINUTE)
+    else:
+        # Rank 1 reads rank 0's outcome late: rank 0 must still be serving it.
+        store = Sabotage(dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=MINUTE),
+                         slow="/connected/0", delay=1.0)
+    message = _raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
+                      store=store, rank=ctx.rank, world_size=2, timeout=MINUTE, options=options)
+    del store  # rank 0 stops serving the store at once
+    return message
+
+
+def test_every_rank_gets_the_refusal_when_the_store_host_leaves_first(two):
+    for message in two.run(_geometry_with_store_host, _free_port()):
+        assert re_search(r"slot_bytes (128 vs 256|256 vs 128)", message), message
+
+
+# --- 4: Ctrl-C -------------------------------------------------------------------------
+
+
+def _make_group(ctx: RankContext, name: str) -> None:
+    _group(ctx, dist.FileStore(ctx.store_path(name), ctx.world_size), name=name)
+
+
+def _interrupted(ctx: RankContext, how: str) -> tuple:
+    pg = ctx.groups[f"int-{how}"]
+    if ctx.rank == 1:
+        time.sleep(3.0)  # rank 0 is interrupted at 1 s
+        start = time.monotonic()
+        message = _raises(dist.DistBackendError, "rank 0 gave up", pg.all_reduce, torch.ones(10))
+        return message, time.monotonic() - start
+    start = time.monotonic()
+    try:
+        if how == "inline":
+            pg.all_reduce(torch.ones(10))
+        elif how == "work":
+            pg.all_reduce(torch.ones(10), async_op=True).wait()
+        else:  # a synchronous call queued behind an asynchronous one
+            pg.barrier(async_op=True)
+            pg.all_reduce(torch.ones(10))
+    except KeyboardInterrupt:
+        elapsed = time.monotonic() - start
+    else:
+        raise AssertionError("rank 0 was not interrupted")
+    later = _raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10))
+    return later, elapsed
+
+
+@pytest.mark.parametrize("how", ["inline", "work", "queued"])
+def test_ctrl_c_interrupts_a_waiting_rank_and_its_peers_learn_at_once(two, how):
+    two.run(_make_group, f"int-{how}")
+    timer = threading.Timer(1.0, os.kill, args=(two.pid(0), signal.SIGINT))
+    timer.start()
+    try:
+        (later0, elapsed0), (message1, elapsed1) = two.run(_interrupted, how, timeout=60)
+    finally:
+        timer.cancel()
+    assert elapsed0 < 2.0, elapsed0  # sent at about 1 s
+    assert "interrupted" in message1 and elapsed1 < 1.0, (message1, elapsed1)
+    assert "refused: an earlier collective failed" in later0, later0
+
+
+def _interrupted_in_bootstrap(ctx: RankContext, path: str) -> float:
+    start = time.monotonic()
+    try:
+        pyddp.new_group("shm", store=dist.FileStore(path, 2), rank=0, world_size=2,
+                        timeout=MINUTE)
+    except KeyboardInterrupt:
+        return time.monotonic() - start
+    raise AssertionError("rank 0 was not interrupted")
+
+
+def test_ctrl_c_interrupts_a_rank_waiting_for_its_peers_to_join():
+    pool = Ranks(1)
+    timer = threading.Timer(1.0, os.kill, args=(pool.pid(0), signal.SIGINT))
+    timer.start()
+    try:
+        elapsed, = pool.run(_interrupted_in_bootstrap, os.path.join(pool.tmpdir, "s"),
+                            timeout=60)
+    finally:
+        timer.cancel()
+        pool.close()
+    assert elapsed < 2.0, elapsed
+
+
+# --- 7: destroying a group tells the peers --------------------------------------------
+
+
+def _destroy_while_peer_waits(ctx: RankContext) -> tuple:
+    pg = _group(ctx, dist.FileStore(ctx.store_path("destroy"), 2), name="destroy")
+    if ctx.rank == 0:
+        time.sleep(1.0)
+        pg.shutdown()  # with nothing running: only the shutdown can tell rank 1
+        return "", 0.0
+    start = time.monotonic()
+    message = _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(10))
+    return message, time.monotonic() - start
+
+
+def test_destroying_a_group_tells_peers_at_once(two):
+    _, (message, elapsed) = two.run(_destroy_while_peer_waits, timeout=60)
+    assert "rank 0 destroyed its process group" in message, message
+    assert elapsed < 10, elapsed
+
+
+# --- 8: argument checks -----------------------------------------------------------------
+
+
+def test_arguments_are_checked_like_torch():
+    pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _raises(ValueError, r"rank 0: broadcast: src=1099511627776 is not a rank of this group",
+                pg.broadcast, torch.ones(2), 2**40)
+        _raises(ValueError, r"rank 0: broadcast: src=-1 is not a rank", pg.broadcast,
+                torch.ones(2), -1)
+        _raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), 0.0)
+        _raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), True)
+        for src in (np.int64(0), np.uint8(0), torch.tensor(0)):
+            t = torch.arange(3.0)
+            pg.broadcast(t, src)
+            assert t.tolist() == [0.0, 1.0, 2.0]
+        for op in (0, 4, "SUM", None):
+            _raises(TypeError, r"rank 0: all_reduce: op must be a ReduceOp", pg.all_reduce,
+                    torch.ones(2), op)
+        _raises(TypeError, r"reduce_scatter_single: op must be a ReduceOp",
+                pg.reduce_scatter_single, torch.ones(1), torch.ones(1), 0)
+        work = pg.all_reduce(torch.ones(2), async_op=True)
+        for bad in (datetime.timedelta(seconds=-1), datetime.timedelta(0)):
+            _raises(ValueError, "timeout must be positive", work.wait, bad)
+        _raises(TypeError, "timeout must be a datetime.timedelta", work.wait, 5)
+        assert work.wait(datetime.timedelta(seconds=30))
+        assert work.result()[0].tolist() == [1.0, 1.0]
+    finally:
+        pg.shutdown()
+
+
+# --- 9: one thread at a time ---------------------------------------------------------------
+
+
+def _two_threads(ctx: RankContext) -> list:
+    pg = _group(ctx, dist.FileStore(ctx.store_path("threads"), 2), name="threads")
+    if ctx.rank == 1:
+        time.sleep(1.5)
+        t = torch.full((4,), 2.0)
+        pg.all_reduce(t)
+        u = torch.ones(3)
+        pg.all_reduce(u)
+        return [t.tolist(), u.tolist()]
+    results = {}
+
+    def first():
+        t = torch.full((4,), 1.0)
+        pg.all_reduce(t)  # waits about 1.5 s for rank 1
+        results["first"] = t.tolist()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    time.sleep(0.5)
+    message = _raises(RuntimeError, "another thread is inside a synchronous collective on "
+                      "this process group", pg.all_reduce, torch.full((4,), 5.0))
+    thread.join(30)
+    u = torch.ones(3)
+    pg.all_reduce(u)  # the refused call consumed nothing: the group still pairs up
+    return [results["first"], u.tolist(), message]
+
+
+def test_a_second_thread_inside_a_collective_is_refused(two):
+    (first, after, message), (theirs, theirs_after) = two.run(_two_threads, timeout=60)
+    assert first == theirs == [3.0] * 4
+    assert after == theirs_after == [2.0] * 3
+    assert "one thread at a time" in message
+
+
+# --- 2: destroy inside a future callback, then exit -------------------------------------
+
+CALLBACK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    import pyddp
+
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    pyddp.init_process_group("shm", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+
+    class SlowToDrop:
+        def __del__(self):
+            time.sleep(0.5)  # GIL released: the main thread reaches exit meanwhile
+
+    def make_callback():
+        keep = SlowToDrop()
+
+        def callback(fut):
+            assert keep is not None
+            pyddp.destroy_process_group()
+            return fut.value()
+        return callback
+
+    # The worker drops the callback (and SlowToDrop) after completing the
+    # future that the main thread waits for.
+    fut = pyddp.all_reduce(torch.ones(4), async_op=True).get_future().then(make_callback())
+    print("sum", fut.wait()[0][0].item(), flush=True)
+""")
+
+
+def _script_env() -> dict:
+    """Scripts import pyddp from this tree and fault_stores from tests/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here), here] + [p for p in sys.path if p]))
+
+
+def _run_ranks(script: str, world: int, timeout: float) -> list:
+    path = tempfile.mktemp(prefix="pyddp-faults-")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), path],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_script_env())
+             for r in range(world)]
+    try:
+        return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def test_destroy_inside_a_future_callback_then_exit_is_clean():
+    for out, err, code in _run_ranks(CALLBACK_SCRIPT, 2, 120):
+        assert code == 0 and "sum 2.0" in out, (code, out, err)
+        assert "terminate called" not in err and "Fatal Python error" not in err, err
+
+
+# --- Ctrl-C of the whole job ----------------------------------------------------------
+
+JOB_SCRIPT = textwrap.dedent("""
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    import pyddp
+    from fault_stores import Recording
+
+    rank, path, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    store = Recording(dist.FileStore(path, world))
+    pyddp.init_process_group("shm", store=store, rank=rank, world_size=world,
+                             timeout=datetime.timedelta(seconds=60))
+    print("segment", store.reservation(rank), flush=True)
+    step = 0
+    while True:
+        pyddp.all_reduce(torch.ones(50_000))
+        work = pyddp.all_reduce(torch.ones(1000), async_op=True)
+        work.get_future().then(lambda fut: fut.value())
+        work.wait()
+        if rank == step % world:
+            time.sleep(0.01)  # the others wait for this rank inside a collective
+        step += 1
+        if step == 20:
+            print("running", flush=True)
+""")
+
+
+def test_ctrl_c_of_the_whole_job():
+    world = 3
+    path = tempfile.mktemp(prefix="pyddp-job-")
+    procs = [subprocess.Popen([sys.executable, "-c", JOB_SCRIPT, str(r), path, str(world)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_script_env())
+             for r in range(world)]
+    try:
+        segments = []
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith("segment "), (line, p.poll())
+            segments.append(line.split()[1])
+            assert p.stdout.readline() == "running\n"
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        results = [p.communicate(timeout=30) + (p.returncode,) for p in procs]
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if os.path.exists(path):
+            os.remove(path)
+    assert elapsed < 10, elapsed
+    for rank, (out, err, code) in enumerate(results):
+        # An uncaught KeyboardInterrupt ends Python by SIGINT.
+        assert code == -signal.SIGINT, (rank, code, err)
+        assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, (rank, err)
+        for bad in ("Exception in thread", "terminate called", "Fatal Python error",
+                    "Exception ignored"):
+            assert bad not in err, (rank, err)
+    for segment in segments:
+        assert not _exists(segment), segment
