@@ -65,25 +65,70 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
 
+  // Every entry point takes async_op and an optional per-call timeout.
+  using Timeout = std::optional<std::chrono::milliseconds>;
+  const auto call = [](bool asyncOp, const Timeout& timeout) {
+    return CallOptions{asyncOp, timeout.value_or(c10d::kUnsetTimeout)};
+  };
+  const auto async = py::arg("async_op");
+  const auto timeout = py::arg("timeout") = Timeout();
+  using T = const at::Tensor&;
+  using Ts = const std::vector<at::Tensor>&;
+  using Splits = const std::vector<int64_t>&;
   py::class_<Engine, c10d::Backend, c10::intrusive_ptr<Engine>>(
       m, "Engine", "Runs a group's collectives for the tensors of one device.")
-      .def("all_reduce", &Engine::allReduce, py::arg("tensor"), py::arg("op"),
-           py::arg("async_op"), release)
-      .def("all_gather_single", &Engine::allGatherSingle, py::arg("output"), py::arg("input"),
-           py::arg("async_op"), release)
-      .def("all_gather", &Engine::allGatherList, py::arg("tensor_list"), py::arg("tensor"),
-           py::arg("async_op"), release)
-      .def("broadcast", &Engine::broadcastFrom, py::arg("tensor"), py::arg("src"),
-           py::arg("async_op"), release)
-      .def("reduce_scatter_single", &Engine::reduceScatterSingle, py::arg("output"),
-           py::arg("input"), py::arg("op"), py::arg("async_op"), release)
-      .def("barrier", &Engine::barrierAll, py::arg("async_op"), release)
-      .def("reduce", &Engine::reduceTo, py::arg("tensor"), py::arg("op"), py::arg("dst"),
-           py::arg("async_op"), release)
-      .def("gather", &Engine::gatherTo, py::arg("gather_list"), py::arg("tensor"),
-           py::arg("dst"), py::arg("async_op"), release)
-      .def("scatter", &Engine::scatterFrom, py::arg("tensor"), py::arg("scatter_list"),
-           py::arg("src"), py::arg("async_op"), release)
+      .def("all_reduce", [=](Engine& e, T t, RedOp op, bool a, const Timeout& to) {
+        return e.allReduce(t, op, call(a, to));
+      }, py::arg("tensor"), py::arg("op"), async, timeout, release)
+      .def("all_gather_single", [=](Engine& e, T out, T in, bool a, const Timeout& to) {
+        return e.allGatherSingle(out, in, call(a, to));
+      }, py::arg("output"), py::arg("input"), async, timeout, release)
+      .def("all_gather", [=](Engine& e, Ts outs, T in, bool a, const Timeout& to) {
+        return e.allGatherList(outs, in, call(a, to));
+      }, py::arg("tensor_list"), py::arg("tensor"), async, timeout, release)
+      .def("broadcast", [=](Engine& e, T t, int src, bool a, const Timeout& to) {
+        return e.broadcastFrom(t, src, call(a, to));
+      }, py::arg("tensor"), py::arg("src"), async, timeout, release)
+      .def("reduce_scatter_single", [=](Engine& e, T out, T in, RedOp op, bool a,
+                                        const Timeout& to) {
+        return e.reduceScatterSingle(out, in, op, call(a, to));
+      }, py::arg("output"), py::arg("input"), py::arg("op"), async, timeout, release)
+      .def("barrier", [=](Engine& e, bool a, const Timeout& to) {
+        return e.barrierAll(call(a, to));
+      }, async, timeout, release)
+      .def("reduce", [=](Engine& e, T t, RedOp op, int dst, bool a, const Timeout& to) {
+        return e.reduceTo(t, op, dst, call(a, to));
+      }, py::arg("tensor"), py::arg("op"), py::arg("dst"), async, timeout, release)
+      .def("gather", [=](Engine& e, Ts outs, T in, int dst, bool a, const Timeout& to) {
+        return e.gatherTo(outs, in, dst, call(a, to));
+      }, py::arg("gather_list"), py::arg("tensor"), py::arg("dst"), async, timeout, release)
+      .def("scatter", [=](Engine& e, T out, Ts ins, int src, bool a, const Timeout& to) {
+        return e.scatterFrom(out, ins, src, call(a, to));
+      }, py::arg("tensor"), py::arg("scatter_list"), py::arg("src"), async, timeout, release)
+      .def("all_to_all_single", [=](Engine& e, T out, T in, Splits outSplits, Splits inSplits,
+                                    bool a, const Timeout& to) {
+        return e.allToAllSingle(out, in, outSplits, inSplits, call(a, to));
+      }, py::arg("output"), py::arg("input"), py::arg("output_split_sizes"),
+         py::arg("input_split_sizes"), async, timeout, release)
+      .def("all_to_all", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return e.allToAllList(outs, ins, call(a, to));
+      }, py::arg("output_tensor_list"), py::arg("input_tensor_list"), async, timeout, release)
+      .def("all_reduce_coalesced", [=](Engine& e, Ts ts, RedOp op, bool a, const Timeout& to) {
+        return e.allReduceCoalesced(ts, op, call(a, to));
+      }, py::arg("tensors"), py::arg("op"), async, timeout, release)
+      .def("all_gather_coalesced", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return e.allGatherCoalesced(outs, ins, call(a, to));
+      }, py::arg("outputs"), py::arg("inputs"), async, timeout, release)
+      .def("reduce_scatter_coalesced", [=](Engine& e, Ts outs, Ts ins, RedOp op, bool a,
+                                           const Timeout& to) {
+        return e.reduceScatterCoalesced(outs, ins, op, call(a, to));
+      }, py::arg("outputs"), py::arg("inputs"), py::arg("op"), async, timeout, release)
+      .def("send", [=](Engine& e, T t, int dst, int64_t tag, bool a, const Timeout& to) {
+        return e.sendTo(t, dst, tag, call(a, to));
+      }, py::arg("tensor"), py::arg("dst"), py::arg("tag"), async, timeout, release)
+      .def("recv", [=](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
+        return e.recvFrom(t, src, tag, call(a, to));
+      }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout, release)
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);

@@ -81,5 +81,15 @@ void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms ti
   transport.connected();
 }
 
+void StoreDirectory::publish(const std::string& key, const std::string& value) {
+  store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::optional<std::string> StoreDirectory::lookup(const std::string& key) {
+  if (!store_->check({key})) return std::nullopt;
+  const std::vector<uint8_t> v = store_->get(key);
+  return std::string(v.begin(), v.end());
+}
+
 } // namespace bootstrap
 } // namespace pyddp

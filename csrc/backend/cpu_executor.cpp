@@ -120,7 +120,9 @@ void CpuExecutor::run(Job& job) {
                      c.desc.seq, " refused: an earlier collective failed and left the "
                      "process group unusable (", brokenBy_, "); destroy it and create a new one");
     try {
-      c.transfer(c.desc, Clock::now() + std::chrono::milliseconds(timeoutMs_));
+      const auto timeout =
+          c.timeout.count() > 0 ? c.timeout : std::chrono::milliseconds(timeoutMs_);
+      c.transfer(c.desc, Clock::now() + timeout);
       transport_->flush();
     } catch (const std::exception& e) {
       brokenBy_ = messageOf(e);

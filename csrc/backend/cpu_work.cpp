@@ -2,19 +2,23 @@
 
 #include "backend/torch_types.h"
 #include "common/check.h"
+#include "transport/wait_policy.h"
 
 namespace pyddp {
 
 CpuWork::CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-                 std::thread::id workerId)
+                 std::thread::id workerId, Driver driver, std::string what)
     : c10d::Work(rank, opTypeOf(kind)),
       kind_(kind),
       workerId_(workerId),
+      driver_(std::move(driver)),
+      what_(std::move(what)),
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
 std::string CpuWork::describe() const {
+  if (!what_.empty()) return what_;
   const uint64_t seq = seq_.load(std::memory_order_relaxed);
   return std::string(toString(kind_)) + (seq ? " #" + std::to_string(seq) : " (queued)");
 }
@@ -31,18 +35,38 @@ bool CpuWork::wait(std::chrono::milliseconds timeout) {
                   describe(), " inside a future callback of the same process group would "
                   "deadlock (callbacks run on the thread that runs the collectives); chain "
                   "it with get_future().then(...) instead");
-      if (timeout == kNoTimeout) {
+      bool done = true;
+      if (driver_) {
+        done = drive(lock, timeout);
+      } else if (timeout == kNoTimeout) {
         cv_.wait(lock, [&] { return completed_; });
       } else {
-        PYDDP_CHECK_COMM(cv_.wait_for(lock, timeout, [&] { return completed_; }), "rank ",
-                         rank_, ": ", describe(), " did not complete within the ",
-                         timeout.count(), " ms given to Work.wait(); it is still running");
+        done = cv_.wait_for(lock, timeout, [&] { return completed_; });
       }
+      PYDDP_CHECK_COMM(done, "rank ", rank_, ": ", describe(), " did not complete within the ",
+                       timeout.count(), " ms given to Work.wait(); it is still running");
     }
     if (exception_) std::rethrow_exception(exception_);
   }
   // complete() marks the Work done before the future; wait for both.
   future_->wait();
+  return true;
+}
+
+bool CpuWork::drive(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
+  const auto start = Clock::now();
+  Backoff backoff;
+  while (!completed_) {
+    if (timeout != kNoTimeout && Clock::now() - start >= timeout) return false;
+    lock.unlock();
+    const bool moved = driver_();
+    if (moved) {
+      backoff.restart();
+    } else {
+      backoff.pause();
+    }
+    lock.lock();
+  }
   return true;
 }
 

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,10 +18,17 @@ namespace pyddp {
 
 class CpuWork final : public c10d::Work {
  public:
+  // Moves bytes on behalf of a waiter; returns whether anything moved.
+  using Driver = std::function<bool()>;
+
   // `workerId` is the thread that runs the group's queued collectives and
-  // their future callbacks (backend/cpu_executor.h).
+  // their future callbacks (backend/cpu_executor.h). With a `driver`, a
+  // waiter calls it until the Work completes instead of sleeping until
+  // another thread completes it (point-to-point: no hand-off on the
+  // latency path). `what` names the operation in errors when it has no
+  // sequence number ("send to rank 1 (tag 0)").
   CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-           std::thread::id workerId);
+          std::thread::id workerId, Driver driver = nullptr, std::string what = "");
 
   // The collective got its sequence number and reached the transport.
   void started(uint64_t seq) { seq_.store(seq, std::memory_order_relaxed); }
@@ -41,9 +49,15 @@ class CpuWork final : public c10d::Work {
   // "all_reduce #3", or "all_reduce (queued)" before it started.
   std::string describe() const;
 
+  // Blocks until completed_, driving progress, for at most `timeout`
+  // (kNoTimeout: no limit); returns whether it completed. mutex_ held.
+  bool drive(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout);
+
   const CollectiveKind kind_;
   std::atomic<uint64_t> seq_{0};
   const std::thread::id workerId_;
+  const Driver driver_;
+  const std::string what_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

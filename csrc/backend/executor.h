@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <functional>
 #include <vector>
 
@@ -33,6 +34,8 @@ struct Collective {
   std::function<void()> finish;
   // wait() blocks the host until done (a barrier), also on a device.
   bool hostBlocking = false;
+  // Bounds the collective's waits; zero or less: the engine's timeout.
+  std::chrono::milliseconds timeout{0};
 };
 
 class Executor {

@@ -20,6 +20,7 @@
 #include "common/blob.h"
 #include "common/check.h"
 #include "common/host.h"
+#include "transport/shm_channel.h"
 
 namespace pyddp {
 namespace shm {
@@ -227,6 +228,18 @@ void ShmTransport::connected() {
     linked_ = false;
   }
   unconnectedPeers_.clear();  // each owner has unlinked its own
+}
+
+MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
+  if (!messages_) {
+    messages_ = std::make_unique<ShmMessages>(
+        rank_, worldSize_, slotBytes_, numSlots_, std::move(directory), [this](int peer) {
+          return peerAlive(peer) ? std::string()
+                                 : "rank " + std::to_string(peer) + " (pid " +
+                  std::to_string(segments_[peer].pid) + ") exited";
+        });
+  }
+  return messages_.get();
 }
 
 std::string ShmTransport::deadPeer() const {

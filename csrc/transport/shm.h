@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -112,6 +113,8 @@ static_assert(offsetof(SegmentHeader, magic) == 0 &&
               offsetof(SegmentHeader, desc) == 384 && offsetof(SegmentHeader, failureText) == 640 &&
               sizeof(SegmentHeader) == 1088);
 
+class ShmMessages;
+
 class ShmTransport final : public Transport,
                           public RingLink,
                           public LocalOps,
@@ -137,6 +140,8 @@ class ShmTransport final : public Transport,
   // "" while every peer's process lives (or cannot be seen from here), else
   // which rank exited: for transports that wait elsewhere (on a GPU).
   std::string deadPeer() const;
+  // Point-to-point channels between pairs of ranks (shm_channel.h).
+  MessageLink* messages(std::shared_ptr<Directory> directory) override;
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
@@ -217,6 +222,7 @@ class ShmTransport final : public Transport,
   std::vector<PeerSegment> unconnectedPeers_;
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
+  std::unique_ptr<ShmMessages> messages_;  // made by the first messages()
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
