@@ -99,7 +99,6 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       slotBytes_(options.slotBytes),
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
-      timeoutMs_(options.timeoutMs),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       segments_(worldSize) {
@@ -328,6 +327,10 @@ void ShmTransport::abandon(const std::string& why) {
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
   current_ = desc;
   deadline_ = deadline;
+  // The deadline was set microseconds ago: round to the timeout it came from.
+  timeoutMs_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   deadline - Clock::now() + std::chrono::microseconds(500))
+                   .count();
   SegmentHeader& own = *segments_[rank_].header;
   own.desc[desc.seq % kDescriptorRing].desc = desc;
   own.arrived.value.store(desc.seq, std::memory_order_release);

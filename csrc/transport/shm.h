@@ -205,7 +205,6 @@ class ShmTransport final : public Transport,
   const size_t slotBytes_;
   const int numSlots_;
   const size_t directBytes_;
-  const int64_t timeoutMs_;
   const std::string hostId_;
   const std::string pidNamespace_;
 
@@ -229,6 +228,7 @@ class ShmTransport final : public Transport,
   uint64_t rounds_ = 0;    // mirrors our staged counter
   CollectiveDesc current_;
   Clock::time_point deadline_;
+  int64_t timeoutMs_ = 0;  // of the current collective (the group's, or its call's)
 };
 
 } // namespace shm

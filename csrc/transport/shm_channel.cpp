@@ -231,11 +231,10 @@ void ShmMessages::arrive(int peer, In& in, const PieceHeader& piece) {
 bool ShmMessages::progressOut(int peer, Out& o) {
   if (o.failed) return false;
   ChannelHeader* h = o.header;
-  if (h->dstFailed.value.load(std::memory_order_acquire) != 0) {
-    failOut(peer, o, readText(h->dstFailureText, kChannelFailureTextBytes), false);
-    return true;
-  }
   bool moved = false;
+  // Verdicts first: a receiver that took a message and then gave up on the
+  // channel (its group was destroyed) did take that message.
+  const bool dstFailed = h->dstFailed.value.load(std::memory_order_acquire) != 0;
   // verdicts of messages fully posted
   for (auto it = o.verdict.begin(); it != o.verdict.end();) {
     const uint64_t m = it->first;
@@ -253,6 +252,10 @@ bool ShmMessages::progressOut(int peer, Out& o) {
     }
     it = o.verdict.erase(it);
     moved = true;
+  }
+  if (dstFailed) {
+    failOut(peer, o, readText(h->dstFailureText, kChannelFailureTextBytes), false);
+    return true;
   }
   // pieces of the queued sends, in order
   while (!o.queue.empty()) {
@@ -299,10 +302,9 @@ bool ShmMessages::progressIn(int peer, In& in) {
   if (in.failed || in.pending == 0) return false;
   if (!in.header && !connect(peer, in)) return false;
   ChannelHeader* h = in.header;
-  if (h->srcFailed.value.load(std::memory_order_acquire) != 0) {
-    failIn(peer, in, readText(h->srcFailureText, kChannelFailureTextBytes), false);
-    return true;
-  }
+  // Pieces posted before the sender gave up are still good: read them
+  // first.
+  const bool srcFailed = h->srcFailed.value.load(std::memory_order_acquire) != 0;
   bool moved = false;
   while (in.pending > 0 && h->posted.value.load(std::memory_order_acquire) > in.received) {
     const char* s = slot(h, in.received);
@@ -331,6 +333,10 @@ bool ShmMessages::progressIn(int peer, In& in) {
     }
     h->consumed.value.store(++in.received, std::memory_order_release);
     moved = true;
+  }
+  if (srcFailed && in.pending > 0) {
+    failIn(peer, in, readText(h->srcFailureText, kChannelFailureTextBytes), false);
+    return true;
   }
   return moved;
 }
