@@ -23,6 +23,20 @@
 namespace py = pybind11;
 using namespace pyddp;
 
+namespace {
+
+// Groups between hosts are torch's gloo, made through torch's Python
+// binding: gloo's C++ headers do not ship with torch.
+c10::intrusive_ptr<c10d::Backend> torchGloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                            int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+  py::gil_scoped_acquire gil;
+  const py::object gloo = py::module_::import("torch.distributed").attr("ProcessGroupGloo");
+  return gloo(store, rank, size, timeout).cast<c10::intrusive_ptr<c10d::Backend>>();
+}
+
+} // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
   const auto release = py::call_guard<py::gil_scoped_release>();
@@ -149,13 +163,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "make_engine",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const RingOptions& options, c10::Device device, const std::string& backend) {
-        EngineChoice choice = makeEngine(store, rank, size, options, device, backend);
-        return std::make_pair(choice.engine, choice.refusals);
+        EngineChoice choice = makeEngine(store, rank, size, options, device, backend, torchGloo);
+        return std::make_tuple(choice.engine, choice.refusals, choice.layout);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("device"),
       py::arg("backend"), release,
-      "(engine, refusals): the engine of `backend` for `device`, and why each candidate "
-      "before it was passed over.");
+      "(engine, refusals, layout): the engine of `backend` for `device`, why each candidate "
+      "before it was passed over, and where the ranks run (CPU engines).");
 
 #ifdef PYDDP_WITH_TESTING
   testing::bindTesting(m);

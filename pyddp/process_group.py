@@ -118,6 +118,7 @@ class ProcessGroup:
         # only CUDA tensors, else ("auto") at the first CUDA collective.
         self._device_types = tuple(_C.device_types_of(backend))
         self._engines: Dict[str, _C.Engine] = {}
+        self._layout = ""
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
         else:
@@ -125,11 +126,14 @@ class ProcessGroup:
 
     def _make_engine(self, device: torch.device) -> _C.Engine:
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
-        engine, refusals = _C.make_engine(store, self._rank, self._world_size, self._options,
-                                          device, self._kind)
+        engine, refusals, layout = _C.make_engine(store, self._rank, self._world_size,
+                                                  self._options, device, self._kind)
         who = f"rank {self._rank}/{self._world_size}: group {self._prefix}"
         for why in refusals:
             logger.info("%s: %s tensors: passed over %s", who, device, why)
+        if layout:
+            logger.info("%s: %s tensors: layout %s", who, device, layout)
+            self._layout = layout
         logger.info("%s: %s tensors over %s (backend %r; slot_bytes=%d, num_slots=%d, "
                     "direct_max_bytes=%d, two_shot_max_bytes=%d, algo=%s)", who, device,
                     engine.transport, self._kind, self._options.slot_bytes,
@@ -177,6 +181,11 @@ class ProcessGroup:
     def backend(self) -> str:
         """What the group was created with: "shm", "auto", "cuda_ipc", "nccl" or "nccl_ring"."""
         return self._kind
+
+    def layout(self) -> str:
+        """Where the ranks run and how the CPU engine composes, e.g. "1 host: ranks 0,1 on ..."
+        or "hierarchical (shm inside each host, gloo between hosts ...); 2 hosts: ..."."""
+        return self._layout
 
     def transports(self) -> Dict[str, str]:
         """The transport serving each device type so far, e.g. {"cpu": "shm", "cuda": "cuda_ipc"}.
@@ -738,10 +747,11 @@ def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
     opts = RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
-    engine, _ = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"), "shm")
-    logger.info("rank %d/%d: torch.distributed backend %r over %s (slot_bytes=%d, "
+    engine, _, layout = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"),
+                                       "auto")
+    logger.info("rank %d/%d: torch.distributed backend %r over %s (%s; slot_bytes=%d, "
                 "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
-                TORCH_BACKEND_NAME, engine.transport, opts.slot_bytes, opts.num_slots,
+                TORCH_BACKEND_NAME, engine.transport, layout, opts.slot_bytes, opts.num_slots,
                 opts.direct_max_bytes, opts.algo)
     return engine
 

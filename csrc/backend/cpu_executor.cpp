@@ -32,8 +32,15 @@ class BusyScope {
 
 CpuExecutor::CpuExecutor(int rank, int64_t timeoutMs) : rank_(rank), timeoutMs_(timeoutMs) {}
 
-void CpuExecutor::start(Transport& transport) {
-  transport_ = &transport;
+CpuExecutor::Hooks CpuExecutor::hooksOf(Transport& transport) {
+  return Hooks{[&transport] { transport.flush(); },
+               [&transport](const std::string& why) { transport.abandon(why); },
+               [&transport] { transport.abort(); }};
+}
+
+void CpuExecutor::start(Hooks hooks) {
+  hooks_ = std::move(hooks);
+  started_ = true;
   worker_ = std::thread(workerLoop, queue_, this);
   std::lock_guard<std::mutex> lock(queue_->mu);
   queue_->workerId = worker_.get_id();
@@ -54,7 +61,7 @@ void CpuExecutor::shutdown() {
     dropped.swap(queue_->jobs);
   }
   queue_->cv.notify_all();
-  if (transport_) transport_->abort();
+  if (started_) hooks_.abort();
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -86,7 +93,7 @@ void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor
 
 c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
   std::unique_lock<std::mutex> lock(queue_->mu);
-  PYDDP_CHECK(transport_ != nullptr, "rank ", rank_, ": ", toString(c.desc.kind),
+  PYDDP_CHECK(started_, "rank ", rank_, ": ", toString(c.desc.kind),
               " before the process group connected");
   PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
               " on a process group that was destroyed");
@@ -123,10 +130,10 @@ void CpuExecutor::run(Job& job) {
       const auto timeout =
           c.timeout.count() > 0 ? c.timeout : std::chrono::milliseconds(timeoutMs_);
       c.transfer(c.desc, Clock::now() + timeout);
-      transport_->flush();
+      if (hooks_.flush) hooks_.flush();
     } catch (const std::exception& e) {
       brokenBy_ = messageOf(e);
-      transport_->abandon(brokenBy_);
+      hooks_.abandon(brokenBy_);
       throw;
     }
     c.finish();

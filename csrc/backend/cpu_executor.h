@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,9 +26,21 @@ class CpuExecutor final : public Executor {
   CpuExecutor(int rank, int64_t timeoutMs);
   ~CpuExecutor() override;
 
-  // Starts the worker on a connected transport, which stays alive until
-  // shutdown() has returned.
-  void start(Transport& transport);
+  // What the executor tells the peers through, given by the engine.
+  struct Hooks {
+    // After each collective's transfer (NCCL's ring posts a held-back send).
+    std::function<void()> flush;
+    // A transfer failed: this rank is out of step; peers should fail at once.
+    std::function<void(const std::string& why)> abandon;
+    // Teardown: every current and later wait fails.
+    std::function<void()> abort;
+  };
+
+  // Starts the worker; what the hooks use stays alive until shutdown() has
+  // returned.
+  void start(Hooks hooks);
+  // The hooks of a connected transport.
+  static Hooks hooksOf(Transport& transport);
 
   c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) override;
   // Stops the worker and makes a running collective fail within
@@ -57,7 +70,8 @@ class CpuExecutor final : public Executor {
 
   const int rank_;
   const int64_t timeoutMs_;
-  Transport* transport_ = nullptr;
+  Hooks hooks_;
+  bool started_ = false;
   std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
   // Touched by the running job only (busy serialises jobs, and a callback's
   // nested call runs after its parent's transfer):

@@ -46,10 +46,12 @@ bool CpuWork::wait(std::chrono::milliseconds timeout) {
       PYDDP_CHECK_COMM(done, "rank ", rank_, ": ", describe(), " did not complete within the ",
                        timeout.count(), " ms given to Work.wait(); it is still running");
     }
-    if (exception_) std::rethrow_exception(exception_);
   }
-  // complete() marks the Work done before the future; wait for both.
+  // complete() and fail() settle the Work before the future; wait for both,
+  // so that is_completed() and exception() agree with what wait() returned.
   future_->wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (exception_) std::rethrow_exception(exception_);
   return true;
 }
 

@@ -82,7 +82,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
 
 void RingEngine::startExecutor() {
   if (cpuExec_) {
-    cpuExec_->start(*transport_);
+    cpuExec_->start(CpuExecutor::hooksOf(*transport_));
     return;
   }
 #ifdef PYDDP_WITH_CUDA
@@ -96,6 +96,10 @@ void RingEngine::startExecutor() {
       [t](const std::string&) { t->abort(); },
       t->deviceErrorProbe()});
 #endif
+}
+
+void RingEngine::abandon(const std::string& why) {
+  transport_->abandon(why);
 }
 
 RingEngine::~RingEngine() {

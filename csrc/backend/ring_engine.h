@@ -79,6 +79,10 @@ class RingEngine final : public Engine {
   WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
                    const CallOptions& call) override;
 
+  // This rank gave up (an engine that composes this one failed elsewhere):
+  // peers waiting on it fail at once with `why`.
+  void abandon(const std::string& why);
+
   // Stops the executors; a running collective fails within milliseconds
   // and queued ones fail. On a device whose peers read this rank's memory,
   // queued collectives finish first and every rank meets every other, so no
