@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pyddp.bench.backends import BACKENDS, Backend, RankContext, Run
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.ops import OPS, REDUCING_OPS, Case
+from pyddp.bench.over_ranks import max_over_ranks, sum_over_ranks
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -205,7 +206,7 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
             try:
                 point.backend.barrier()
                 point.trial_seconds.append(
-                    _max_over_ranks(_time(point.run, point.backend, point.iters)))
+                    max_over_ranks(_time(point.run, point.backend, point.iters)))
             except Exception as error:
                 raise point.error(error) from error
     redop = plan.redop if op in REDUCING_OPS else "none"
@@ -217,7 +218,7 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
                 point.case.reset()
                 point.run()
                 point.backend.sync()
-                wrong = _sum_over_ranks(point.case.count_wrong())
+                wrong = sum_over_ranks(point.case.count_wrong())
             except Exception as error:
                 raise point.error(error) from error
         backend = point.backend
@@ -230,7 +231,7 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
 def _calibrate(run: Run, backend: Backend, target_seconds: float) -> int:
     """Iterations that take about ``target_seconds``, from a short probe; equal on all ranks."""
     backend.barrier()
-    per_call = _max_over_ranks(_time(run, backend, PROBE_ITERS)) / PROBE_ITERS
+    per_call = max_over_ranks(_time(run, backend, PROBE_ITERS)) / PROBE_ITERS
     if per_call <= 0:
         return MAX_ITERS
     return max(MIN_ITERS, min(MAX_ITERS, math.ceil(target_seconds / per_call)))
@@ -243,20 +244,6 @@ def _time(run: Run, backend: Backend, iters: int) -> float:
         run()
     backend.sync()
     return time.perf_counter() - start
-
-
-def _max_over_ranks(value: float) -> float:
-    """The largest ``value`` over all ranks (through the default gloo group)."""
-    buf = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return float(buf.item())
-
-
-def _sum_over_ranks(value: int) -> int:
-    """The sum of ``value`` over all ranks (through the default gloo group)."""
-    buf = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(buf)
-    return int(buf.item())
 
 
 def encode(kind: str, rank: int, payload: Optional[Union[Event, str]] = None) -> str:
