@@ -149,7 +149,7 @@ def _wait(job: _launch.Job, progress, stall_seconds: float) -> None:
 
 
 def _show_progress(progress, timeout: float) -> bool:
-    """Prints the lines in ``progress``, waiting up to ``timeout`` for the first; whether any came."""
+    """Prints the lines in ``progress``, waiting up to ``timeout`` for the first; True if any."""
     shown = False
     try:
         while True:

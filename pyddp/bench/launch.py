@@ -3,7 +3,7 @@
 The ranks are separate interpreters running ``python -m pyddp.bench.worker
 RUN_DIR``, started by pyddp's launcher (``pyddp._launch``, which also
 supervises and reaps them): one by one with RANK/WORLD_SIZE in their
-environment, or all at once by Open MPI's mpirun when the MPI backend is
+environment, or all at once by Open MPI's mpirun when the MPI peer is
 wanted (an MPI world of more than one rank exists only for processes that
 mpirun started). Either way they rendezvous through a FileStore in RUN_DIR, a
 temporary directory, and report through one file of JSON lines per rank
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from pyddp import _launch
-from pyddp.bench.backends import MpiBackend, mpi_launchable
+from pyddp.bench.peers import MpiPeer, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.worker import PLAN_FILE, Event, Plan, decode, events_path
 
@@ -34,7 +34,7 @@ def run(plan: Plan, on_event: Callable[[Event], None] = lambda event: None) -> l
     with _launch.Rendezvous(prefix="pyddp-bench-") as rendezvous:
         run_dir = rendezvous.directory
         plan.save(os.path.join(run_dir, PLAN_FILE))
-        use_mpirun = MpiBackend.name in plan.backends and mpi_launchable() is None
+        use_mpirun = MpiPeer.name in plan.peers and mpi_launchable() is None
         worker = [sys.executable, "-m", "pyddp.bench.worker", run_dir]
         if use_mpirun:
             job = _launch.start_launcher(_mpirun(plan.world_size) + worker, plan.world_size,
