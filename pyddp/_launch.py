@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -389,8 +388,9 @@ class Job:
             if process.poll() is None:
                 logger.info("killing %s (pid %d)", process.name, process.pid)
                 process.send(signal.SIGKILL)
+        deadline = time.monotonic() + EXIT_SECONDS
         for process in self._processes:
-            if process.wait(EXIT_SECONDS) is None:
+            if process.wait(max(0.0, deadline - time.monotonic())) is None:
                 logger.error("%s (pid %d) is still there %.0f s after SIGKILL",
                              process.name, process.pid, EXIT_SECONDS)
 
@@ -489,7 +489,7 @@ def spawn(target: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
 
 
 def _command_environment(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment with pyddp's parent directory first on PYTHONPATH, and ``extra``."""
+    """This process's environment, pyddp's parent directory first on PYTHONPATH, and ``extra``."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
