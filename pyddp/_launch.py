@@ -10,7 +10,8 @@ harness) starts them here. A job's ranks are started in one of three forms:
   LOCAL_RANK and LOCAL_WORLD_SIZE in its environment and pyddp's parent
   directory first on PYTHONPATH; each rank's argv may get a prefix of its own
   (a wrapper such as ``unshare --uts --mount ...`` that puts the rank in a
-  simulated other host);
+  simulated other host; function ranks cannot take one, as multiprocessing
+  starts every spawned process with the same interpreter command);
 - ``start_launcher``: one command that starts every rank itself (mpirun).
 
 This module guarantees:
@@ -441,9 +442,12 @@ def _run_function_rank(conn: Connection, target: Callable[..., Any], rank: int,
     """The entry point of a spawned rank: ``target(rank, *args)``, its outcome sent to the job."""
     try:
         conn.send(("ok", target(rank, *args)))
-    except Exception:
+    except Exception as error:
+        # From the frame below this one: the report is about the rank's code, not this wrapper.
+        text = "".join(traceback.format_exception(type(error), error,
+                                                  error.__traceback__.tb_next))
         try:
-            conn.send(("err", traceback.format_exc()))
+            conn.send(("err", text))
         except OSError:
             pass  # the parent is gone; the exit status is all that is left to say
         # This function is the process's entry point: its exit status is ours to set.
