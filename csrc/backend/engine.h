@@ -2,22 +2,22 @@
 // device. It is a c10d::Backend, so torch.distributed can use it, with
 // pyddp's own entry points, which the Python ProcessGroup calls. torch's
 // entry points (allreduce, _allgather_base, ...) are mapped onto pyddp's
-// here, once for every engine. RingEngine (pyddp's algorithms over a
-// transport) and NcclEngine (NCCL's own collectives) implement it; the
-// engine registry (engine_registry.h) makes them.
+// here, once for every engine; the others refuse (RefusingBackend), naming
+// the user's call. RingEngine (pyddp's algorithms over a transport) and
+// NcclEngine (NCCL's own collectives) implement it; the engine registry
+// (engine_registry.h) makes them.
 #pragma once
-
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <string>
 #include <vector>
 
 #include "backend/arg_checks.h"
+#include "backend/refusing_backend.h"
 #include "common/types.h"
 
 namespace pyddp {
 
-class Engine : public c10d::Backend {
+class Engine : public RefusingBackend {
  public:
   // `transport` names what moves the bytes ("shm", "cuda_ipc", "nccl"),
   // for users and messages.
@@ -43,7 +43,7 @@ class Engine : public c10d::Backend {
                                                              const at::Tensor& input, RedOp op,
                                                              bool asyncOp) = 0;
   virtual c10::intrusive_ptr<c10d::Work> barrierAll(bool asyncOp) = 0;
-  // Rooted collectives; an engine that lacks one refuses it (TypeError).
+  // Rooted collectives; an engine that lacks one refuses it.
   // reduceTo: `tensor` of rank `root` = the reduction; other ranks' tensors
   // are left as they were. gatherTo: `outputs` (root only; empty elsewhere)
   // = every rank's input. scatterFrom: output = block rank of `inputs`
@@ -62,8 +62,8 @@ class Engine : public c10d::Backend {
   void shutdown() override = 0;
 
   // torch.distributed's entry points: one tensor (list) per process, mapped
-  // onto the calls above. Operations not overridden here fail with c10d's
-  // "Backend <name> does not support <op>".
+  // onto the calls above. Operations not overridden here are refused by
+  // RefusingBackend.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -89,9 +89,6 @@ class Engine : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
  protected:
-  // Refuses a call this engine lacks, naming it.
-  [[noreturn]] void refuse(const char* call) const;
-
   const c10::Device device_;
   const std::string transport_;
   const ArgChecks checks_;
