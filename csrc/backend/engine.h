@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/arg_checks.h"
+#include "backend/executor.h"
 #include "backend/refusing_backend.h"
 #include "common/types.h"
 
@@ -88,7 +89,19 @@ class Engine : public RefusingBackend {
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // c10d's sequence number, which torch's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks before each
+  // collective it forwards. As ProcessGroupGloo's, it starts at 0 (set is a
+  // no-op) and counts the collectives issued to this engine
+  // (Executor::issued), so ranks that made the same calls agree however
+  // far each one's queue has run.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return executor().issued(); }
+
  protected:
+  // The executor that numbers this engine's collectives.
+  virtual const Executor& executor() const = 0;
+
   const c10::Device device_;
   const std::string transport_;
   const ArgChecks checks_;

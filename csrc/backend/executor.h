@@ -13,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -43,6 +45,15 @@ class Executor {
   // Fails queued collectives and ends a running one within milliseconds.
   // Idempotent.
   virtual void shutdown() = 0;
+
+  // How many collectives submit() has accepted. Counted when a collective
+  // is issued, not when it runs, so every rank that made the same calls
+  // has the same count, whatever its queue holds: c10d's sequence number
+  // (Engine::getSequenceNumberForGroup).
+  uint64_t issued() const { return issued_.load(std::memory_order_relaxed); }
+
+ protected:
+  std::atomic<uint64_t> issued_{0};
 };
 
 } // namespace pyddp
