@@ -97,6 +97,7 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
               " before the process group connected");
   PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
               " on a process group that was destroyed");
+  ++issued_;
   auto work = c10::make_intrusive<CpuWork>(rank_, c.desc.kind, std::move(c.outputs),
                                            queue_->workerId);
   Job job{std::move(c), work};

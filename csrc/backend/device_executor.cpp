@@ -61,6 +61,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp
                 toString(c.desc.kind), " on a process group that ",
                 monitor_ ? "was destroyed" : "has not connected");
     c.desc.seq = nextSeq_++;
+    ++issued_;
     const std::string what = c10::str(toString(c.desc.kind), " #", c.desc.seq);
     const std::string failure = monitor_->failure();
     PYDDP_CHECK_COMM(failure.empty(), "rank ", rank_, ": ", what, " refused: an earlier "

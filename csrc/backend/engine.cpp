@@ -6,15 +6,10 @@
 namespace pyddp {
 
 Engine::Engine(int rank, int size, c10::Device device, std::string transport)
-    : c10d::Backend(rank, size),
+    : RefusingBackend(rank, size, "pyddp's " + transport + " engine"),
       device_(device),
       transport_(std::move(transport)),
       checks_(rank, size, device, "this group's " + transport_ + " transport") {}
-
-void Engine::refuse(const char* call) const {
-  C10_THROW_ERROR(TypeError, c10::str("pyddp: rank ", rank_, ": ", call, ": pyddp's ",
-                                      transport_, " engine does not support it"));
-}
 
 WorkPtr Engine::reduceTo(const at::Tensor&, RedOp, int, const CallOptions&) {
   refuse("reduce");

@@ -2,18 +2,19 @@
 // device. It is a c10d::Backend, so torch.distributed can use it, with
 // pyddp's own entry points, which the Python ProcessGroup calls. torch's
 // entry points (allreduce, _allgather_base, alltoall_base, send, ...) are
-// mapped onto pyddp's here, once for every engine. RingEngine (pyddp's
+// mapped onto pyddp's here, once for every engine; the others refuse
+// (RefusingBackend), naming the user's call. RingEngine (pyddp's
 // algorithms over a transport) and NcclEngine (NCCL's own collectives)
 // implement it; the engine registry (engine_registry.h) makes them.
 #pragma once
-
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
 #include <string>
 #include <vector>
 
 #include "backend/arg_checks.h"
+#include "backend/executor.h"
+#include "backend/refusing_backend.h"
 #include "common/types.h"
 
 namespace pyddp {
@@ -29,7 +30,7 @@ struct CallOptions {
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-class Engine : public c10d::Backend {
+class Engine : public RefusingBackend {
  public:
   // `transport` names what moves the bytes ("shm", "cuda_ipc", "nccl"),
   // for users and messages.
@@ -95,7 +96,7 @@ class Engine : public c10d::Backend {
 
   // torch.distributed's entry points: one tensor (list) per process, mapped
   // onto the calls above, with c10d's per-call timeout. Operations not
-  // overridden here fail with c10d's "Backend <name> does not support <op>".
+  // overridden here are refused by RefusingBackend.
   WorkPtr allreduce(std::vector<at::Tensor>& tensors,
                     const c10d::AllreduceOptions& opts) override;
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -132,9 +133,18 @@ class Engine : public c10d::Backend {
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   WorkPtr barrier(const c10d::BarrierOptions& opts) override;
 
+  // c10d's sequence number, which torch's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks before each
+  // collective it forwards. As ProcessGroupGloo's, it starts at 0 (set is a
+  // no-op) and counts the collectives issued to this engine
+  // (Executor::issued), so ranks that made the same calls agree however
+  // far each one's queue has run.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return executor().issued(); }
+
  protected:
-  // Refuses a call this engine lacks, naming it.
-  [[noreturn]] void refuse(const char* call) const;
+  // The executor that numbers this engine's collectives.
+  virtual const Executor& executor() const = 0;
 
   const c10::Device device_;
   const std::string transport_;

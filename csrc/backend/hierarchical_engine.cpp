@@ -123,6 +123,10 @@ HierarchicalEngine::~HierarchicalEngine() {
   shutdown();
 }
 
+const Executor& HierarchicalEngine::executor() const {
+  return *executor_;
+}
+
 void HierarchicalEngine::shutdown() {
   if (!executor_) return;
   executor_->shutdown();

@@ -106,6 +106,7 @@ class HierarchicalEngine final : public Engine {
   void shutdown() override;
 
  private:
+  const Executor& executor() const override;
   // One composed collective: `run` does its steps on the executor's thread.
   WorkPtr submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
                  std::vector<at::Tensor> uses, std::function<void()> run,

@@ -73,6 +73,9 @@ class NcclEngine final : public Engine {
   // calls it.
   void shutdown() override;
 
+ protected:
+  const Executor& executor() const override { return *executor_; }
+
  private:
   // Enqueues the collective's NCCL calls on `stream`; every host wait is
   // bounded by deadline.

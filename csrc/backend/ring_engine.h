@@ -89,6 +89,9 @@ class RingEngine final : public Engine {
   // peer reads memory freed here. Idempotent; the destructor calls it.
   void shutdown() override;
 
+ protected:
+  const Executor& executor() const override { return *executor_; }
+
  private:
   using Transfer = std::function<void(const algorithms::Call& call)>;
   // Hands a collective to the executor; `transfer` runs the algorithm.
