@@ -75,12 +75,20 @@ class PythonSignals {
   std::unique_ptr<py::error_already_set> raised_;
 };
 
-// An engine method as a binding that PythonSignals can interrupt.
-template <typename R, typename... A>
-auto interruptible(R (Engine::*method)(A...)) {
-  return [method](Engine& engine, A... args) {
-    return PythonSignals().run([&] { return (engine.*method)(args...); });
-  };
+// `f` with the GIL released and interruptible by Python's signal handlers.
+template <typename F>
+auto interruptibly(F&& f) {
+  return PythonSignals().run(std::forward<F>(f));
+}
+
+// Groups between hosts are torch's gloo, made through torch's Python
+// binding: gloo's C++ headers do not ship with torch.
+c10::intrusive_ptr<c10d::Backend> torchGloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                            int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+  py::gil_scoped_acquire gil;
+  const py::object gloo = py::module_::import("torch.distributed").attr("ProcessGroupGloo");
+  return gloo(store, rank, size, timeout).cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
 } // namespace
@@ -127,25 +135,71 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
 
+  // Every entry point takes async_op and an optional per-call timeout.
+  using Timeout = std::optional<std::chrono::milliseconds>;
+  const auto call = [](bool asyncOp, const Timeout& timeout) {
+    return CallOptions{asyncOp, timeout.value_or(c10d::kUnsetTimeout)};
+  };
+  const auto async = py::arg("async_op");
+  const auto timeout = py::arg("timeout") = Timeout();
+  using T = const at::Tensor&;
+  using Ts = const std::vector<at::Tensor>&;
+  using Splits = const std::vector<int64_t>&;
   py::class_<Engine, c10d::Backend, c10::intrusive_ptr<Engine>>(
       m, "Engine", "Runs a group's collectives for the tensors of one device.")
-      .def("all_reduce", interruptible(&Engine::allReduce), py::arg("tensor"), py::arg("op"),
-           py::arg("async_op"))
-      .def("all_gather_single", interruptible(&Engine::allGatherSingle), py::arg("output"),
-           py::arg("input"), py::arg("async_op"))
-      .def("all_gather", interruptible(&Engine::allGatherList), py::arg("tensor_list"),
-           py::arg("tensor"), py::arg("async_op"))
-      .def("broadcast", interruptible(&Engine::broadcastFrom), py::arg("tensor"), py::arg("src"),
-           py::arg("async_op"))
-      .def("reduce_scatter_single", interruptible(&Engine::reduceScatterSingle),
-           py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))
-      .def("barrier", interruptible(&Engine::barrierAll), py::arg("async_op"))
-      .def("reduce", interruptible(&Engine::reduceTo), py::arg("tensor"), py::arg("op"),
-           py::arg("dst"), py::arg("async_op"))
-      .def("gather", interruptible(&Engine::gatherTo), py::arg("gather_list"),
-           py::arg("tensor"), py::arg("dst"), py::arg("async_op"))
-      .def("scatter", interruptible(&Engine::scatterFrom), py::arg("tensor"),
-           py::arg("scatter_list"), py::arg("src"), py::arg("async_op"))
+      .def("all_reduce", [=](Engine& e, T t, RedOp op, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allReduce(t, op, call(a, to)); });
+      }, py::arg("tensor"), py::arg("op"), async, timeout)
+      .def("all_gather_single", [=](Engine& e, T out, T in, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allGatherSingle(out, in, call(a, to)); });
+      }, py::arg("output"), py::arg("input"), async, timeout)
+      .def("all_gather", [=](Engine& e, Ts outs, T in, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allGatherList(outs, in, call(a, to)); });
+      }, py::arg("tensor_list"), py::arg("tensor"), async, timeout)
+      .def("broadcast", [=](Engine& e, T t, int src, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.broadcastFrom(t, src, call(a, to)); });
+      }, py::arg("tensor"), py::arg("src"), async, timeout)
+      .def("reduce_scatter_single", [=](Engine& e, T out, T in, RedOp op, bool a,
+                                        const Timeout& to) {
+        return interruptibly([&] { return e.reduceScatterSingle(out, in, op, call(a, to)); });
+      }, py::arg("output"), py::arg("input"), py::arg("op"), async, timeout)
+      .def("barrier", [=](Engine& e, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.barrierAll(call(a, to)); });
+      }, async, timeout)
+      .def("reduce", [=](Engine& e, T t, RedOp op, int dst, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.reduceTo(t, op, dst, call(a, to)); });
+      }, py::arg("tensor"), py::arg("op"), py::arg("dst"), async, timeout)
+      .def("gather", [=](Engine& e, Ts outs, T in, int dst, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.gatherTo(outs, in, dst, call(a, to)); });
+      }, py::arg("gather_list"), py::arg("tensor"), py::arg("dst"), async, timeout)
+      .def("scatter", [=](Engine& e, T out, Ts ins, int src, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.scatterFrom(out, ins, src, call(a, to)); });
+      }, py::arg("tensor"), py::arg("scatter_list"), py::arg("src"), async, timeout)
+      .def("all_to_all_single", [=](Engine& e, T out, T in, Splits outSplits, Splits inSplits,
+                                    bool a, const Timeout& to) {
+        return interruptibly(
+            [&] { return e.allToAllSingle(out, in, outSplits, inSplits, call(a, to)); });
+      }, py::arg("output"), py::arg("input"), py::arg("output_split_sizes"),
+         py::arg("input_split_sizes"), async, timeout)
+      .def("all_to_all", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allToAllList(outs, ins, call(a, to)); });
+      }, py::arg("output_tensor_list"), py::arg("input_tensor_list"), async, timeout)
+      .def("all_reduce_coalesced", [=](Engine& e, Ts ts, RedOp op, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allReduceCoalesced(ts, op, call(a, to)); });
+      }, py::arg("tensors"), py::arg("op"), async, timeout)
+      .def("all_gather_coalesced", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.allGatherCoalesced(outs, ins, call(a, to)); });
+      }, py::arg("outputs"), py::arg("inputs"), async, timeout)
+      .def("reduce_scatter_coalesced", [=](Engine& e, Ts outs, Ts ins, RedOp op, bool a,
+                                           const Timeout& to) {
+        return interruptibly([&] { return e.reduceScatterCoalesced(outs, ins, op, call(a, to)); });
+      }, py::arg("outputs"), py::arg("inputs"), py::arg("op"), async, timeout)
+      .def("send", [=](Engine& e, T t, int dst, int64_t tag, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.sendTo(t, dst, tag, call(a, to)); });
+      }, py::arg("tensor"), py::arg("dst"), py::arg("tag"), async, timeout)
+      .def("recv", [=](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
+        return interruptibly([&] { return e.recvFrom(t, src, tag, call(a, to)); });
+      }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout)
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);
@@ -162,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "wait",
       [](const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) {
-        return PythonSignals().run([&] { return work->wait(timeout); });
+        return interruptibly([&] { return work->wait(timeout); });
       },
       py::arg("work"), py::arg("timeout"),
       "work.wait(timeout) (0: no limit), interruptible by Python's signal handlers.");
@@ -176,14 +230,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "make_engine",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const RingOptions& options, c10::Device device, const std::string& backend) {
-        EngineChoice choice = PythonSignals().run(
-            [&] { return makeEngine(store, rank, size, options, device, backend); });
-        return std::make_pair(choice.engine, choice.refusals);
+        EngineChoice choice = interruptibly(
+            [&] { return makeEngine(store, rank, size, options, device, backend, torchGloo); });
+        return std::make_tuple(choice.engine, choice.refusals, choice.layout);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("device"),
       py::arg("backend"),
-      "(engine, refusals): the engine of `backend` for `device`, and why each candidate "
-      "before it was passed over.");
+      "(engine, refusals, layout): the engine of `backend` for `device`, why each candidate "
+      "before it was passed over, and where the ranks run (CPU engines).");
 
 #ifdef PYDDP_WITH_TESTING
   testing::bindTesting(m);

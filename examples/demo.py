@@ -10,13 +10,13 @@ for pyddp beside torch.distributed's gloo (python -m pyddp.bench).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import tempfile
 
 import torch
 
-JOIN_TIMEOUT_S = 120
+from pyddp._launch import LaunchError, Rendezvous, spawn
+
+TIMEOUT_S = 120
+"""Bound on the tour's ranks, which take a few seconds."""
 
 
 def _rank(rank: int, world: int, init_method: str) -> None:
@@ -62,22 +62,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="benchmark 4K..1M only")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        init_method = "file://" + os.path.join(tmp, "store")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, args.world_size, init_method))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(JOIN_TIMEOUT_S)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes = [p.exitcode for p in procs]
-        if any(codes):
-            raise SystemExit(f"demo ranks failed with exit codes {codes}")
+    with Rendezvous(prefix="pyddp-demo-") as rendezvous:
+        job = spawn(_rank, args.world_size, (args.world_size, rendezvous.init_method()))
+        try:
+            with job:
+                job.wait(TIMEOUT_S)
+        except LaunchError as error:
+            raise SystemExit(f"demo ranks failed with exit codes {job.exitcodes()}: {error}")
 
     from pyddp.bench.cli import main as bench
 

@@ -16,10 +16,8 @@ backward (communication that backward did not hide).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from typing import List, Optional, Tuple
 
@@ -27,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-JOIN_TIMEOUT_S = 300
+from pyddp._launch import LaunchError, Rendezvous, spawn
+
+TIMEOUT_S = 300
+"""Bound on a whole run of the spawned ranks: the default 15 epochs, start-up included,
+take about a minute on the loaded 2-core development machines."""
 
 
 class DigitsCNN(nn.Module):
@@ -168,31 +170,16 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.N
     train(rank, world_size, args)
 
 
-def _launch(world_size: int, args: argparse.Namespace) -> int:
+def _start_ranks(world_size: int, args: argparse.Namespace) -> int:
     """Starts ``world_size`` ranks that meet through a file:// store; their worst exit code."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pyddp-train-") as tmp:
-        init_method = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_spawned_rank, args=(r, world_size, init_method, args))
-                 for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+    with Rendezvous(prefix="pyddp-train-") as rendezvous:
+        job = spawn(_spawned_rank, world_size, (world_size, rendezvous.init_method(), args))
         try:
-            # A failed rank makes its peers fail within the group timeout;
-            # stop waiting for the rest as soon as one has failed.
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.1)
-        finally:
-            for proc in procs:
-                proc.join(5)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-    codes: List[int] = [p.exitcode or 0 for p in procs]
-    return max(codes, key=abs)
+            with job:
+                job.wait(TIMEOUT_S)
+        except LaunchError as error:
+            print(f"train.py: {error}", file=sys.stderr, flush=True)
+    return max((code or 0 for code in job.exitcodes()), key=abs)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -214,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.nproc == 1:
         train(0, 1, args)
         return 0
-    return _launch(args.nproc, args)
+    return _start_ranks(args.nproc, args)
 
 
 if __name__ == "__main__":

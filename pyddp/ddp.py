@@ -3,7 +3,7 @@
 Swap ``torch.nn.parallel.DistributedDataParallel`` for
 ``pyddp.DistributedDataParallel`` and train as before::
 
-    pyddp.init_process_group("shm")
+    pyddp.init_process_group("shm")     # or torch.distributed.init_process_group(...)
     model = pyddp.DistributedDataParallel(Net())
     for x, y in loader:
         loss_fn(model(x), y).backward()   # gradients averaged over ranks, in buckets
@@ -25,10 +25,12 @@ import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import bucketing
-from .process_group import ProcessGroup, ReduceOp, get_default_group
+from .ddp_groups import DDPGroup, TorchGroup, resolve
+from .process_group import ProcessGroup, ReduceOp
 from .reducer import CommHook, GradBucket, Reducer, error_message
 
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -52,7 +54,10 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: copy rank 0's buffers to every rank at construction
             and before each forward (as torch decides: not after a forward under
             no_grad or no_sync).
-        process_group: the group to average over; None means pyddp's default group.
+        process_group: the group to average over: pyddp's, or torch.distributed's (then
+            torch's collectives run on whichever backend serves it: pyddp's engine for
+            "pyddp", gloo, NCCL). None means pyddp's default group, or
+            torch.distributed's when pyddp has none.
         bucket_cap_mb: bucket size in MiB. None means torch's default: 25 MiB,
             with a 1 MiB first bucket; an explicit value caps every bucket.
         find_unused_parameters: let parameters get no gradient in a backward.
@@ -65,13 +70,17 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module,
                  device_ids: Optional[Sequence[Union[int, torch.device]]] = None,
                  output_device: Optional[Union[int, torch.device]] = None, *,
-                 broadcast_buffers: bool = True, process_group: Optional[ProcessGroup] = None,
+                 broadcast_buffers: bool = True,
+                 process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]] = None,
                  bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
         self.module = module
-        self.process_group = process_group if process_group is not None else get_default_group()
-        self._rank = self.process_group.rank()
+        # The group as DDP calls it, and as the user knows it.
+        self._group: DDPGroup = resolve(process_group, "DistributedDataParallel")
+        self.process_group = (self._group.group if isinstance(self._group, TorchGroup)
+                              else self._group)
+        self._rank = self._group.rank()
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(self._error("the module has no parameter that requires a gradient; "
@@ -104,7 +113,7 @@ class DistributedDataParallel(nn.Module):
         buckets = bucketing.assign_buckets([p.numel() for p in params],
                                            [p.element_size() for p in params],
                                            [(p.dtype, p.device) for p in params], cap, first_cap)
-        self.reducer = Reducer(params, [name for name, _ in named], buckets, self.process_group,
+        self.reducer = Reducer(params, [name for name, _ in named], buckets, self._group,
                                find_unused_parameters, gradient_as_bucket_view)
 
     def _error(self, message: str) -> str:
@@ -137,7 +146,7 @@ class DistributedDataParallel(nn.Module):
         mine = [f"parameter {name!r}: {_describe(p)}" for name, p in self.module.named_parameters()]
         if self.broadcast_buffers:
             mine += [f"buffer {name!r}: {_describe(b)}" for name, b in self.module.named_buffers()]
-        everyone = _all_gather_strings(self.process_group, "\n".join(mine), self.device)
+        everyone = _all_gather_strings(self._group, "\n".join(mine), self.device)
         tables = [text.split("\n") if text else [] for text in everyone]
         longest = max(len(t) for t in tables)
         for i in range(longest):
@@ -181,7 +190,7 @@ class DistributedDataParallel(nn.Module):
             for t, offset in zip(tensors, offsets):
                 flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(
                     t.shape).copy_(t)
-        self.process_group.broadcast(flat, 0)
+        self._group.broadcast(flat, 0)
         if self._rank != 0:
             for t, offset in zip(tensors, offsets):
                 t.copy_(flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(
@@ -237,29 +246,30 @@ class DistributedDataParallel(nn.Module):
 # --- built-in communication hooks ------------------------------------------------
 
 
-def allreduce_hook(process_group: Optional[ProcessGroup], bucket: GradBucket
-                   ) -> torch.futures.Future:
-    """Averages ``bucket`` over ``process_group`` (None: the default group), as without a hook."""
-    group = process_group if process_group is not None else get_default_group()
+def allreduce_hook(process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]],
+                   bucket: GradBucket) -> torch.futures.Future:
+    """Averages ``bucket`` over ``process_group`` (pyddp's or torch's; None: the default
+    group, as for DistributedDataParallel), as without a hook."""
+    group = resolve(process_group, "allreduce_hook")
     future = group.all_reduce(bucket.buffer(), ReduceOp.AVG, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])
 
 
-def fp16_compress_hook(process_group: Optional[ProcessGroup], bucket: GradBucket
-                       ) -> torch.futures.Future:
+def fp16_compress_hook(process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]],
+                       bucket: GradBucket) -> torch.futures.Future:
     """Averages ``bucket`` in float16: half the bytes on the wire, float16 precision."""
     return _compressed(process_group, bucket, torch.float16)
 
 
-def bf16_compress_hook(process_group: Optional[ProcessGroup], bucket: GradBucket
-                       ) -> torch.futures.Future:
+def bf16_compress_hook(process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]],
+                       bucket: GradBucket) -> torch.futures.Future:
     """Averages ``bucket`` in bfloat16: half the bytes on the wire, bfloat16 precision."""
     return _compressed(process_group, bucket, torch.bfloat16)
 
 
-def _compressed(process_group: Optional[ProcessGroup], bucket: GradBucket, dtype: torch.dtype
-                ) -> torch.futures.Future:
-    group = process_group if process_group is not None else get_default_group()
+def _compressed(process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]],
+                bucket: GradBucket, dtype: torch.dtype) -> torch.futures.Future:
+    group = resolve(process_group, "compress hook")
     buffer = bucket.buffer()
     # pyddp's AVG accumulates half types in float32, so only the inputs and
     # the result are rounded (torch's hooks also round the partial sums).
@@ -281,7 +291,7 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {list(t.shape)}, {str(t.dtype).replace('torch.', '')}{frozen}"
 
 
-def _all_gather_strings(group: ProcessGroup, text: str, device: torch.device) -> List[str]:
+def _all_gather_strings(group: DDPGroup, text: str, device: torch.device) -> List[str]:
     """Every rank's ``text``, in rank order."""
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     lengths = torch.zeros(group.size(), dtype=torch.int64, device=device)

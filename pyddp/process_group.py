@@ -16,7 +16,7 @@ import itertools
 import logging
 import operator
 import weakref
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,8 @@ class ProcessGroup:
     """
 
     def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
-                 timeout: datetime.timedelta, options: RingOptions) -> None:
+                 timeout: datetime.timedelta, options: RingOptions,
+                 ranks: Optional[List[int]] = None) -> None:
         self._kind = backend
         self._store = store
         self._prefix = prefix
@@ -146,11 +147,18 @@ class ProcessGroup:
         self._world_size = world_size
         self._options = options
         self.timeout = timeout
+        # The ranks of the parent group that make this group, in group-rank
+        # order (a group made by new_group(ranks)); its own ranks otherwise.
+        self._ranks = list(ranks) if ranks is not None else list(range(world_size))
+        # Subgroups made from this group so far: every rank of the group
+        # makes them in the same order, so the count names the next one alike.
+        self._subgroups = 0
         # The device types this group serves, and the engine of each so far:
         # the CPU's at once; a CUDA device's at once when the group serves
         # only CUDA tensors, else ("auto") at the first CUDA collective.
         self._device_types = tuple(_C.device_types_of(backend))
         self._engines: Dict[str, _C.Engine] = {}
+        self._layout = ""
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
         else:
@@ -159,11 +167,14 @@ class ProcessGroup:
 
     def _make_engine(self, device: torch.device) -> _C.Engine:
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
-        engine, refusals = _C.make_engine(store, self._rank, self._world_size, self._options,
-                                          device, self._kind)
+        engine, refusals, layout = _C.make_engine(store, self._rank, self._world_size,
+                                                  self._options, device, self._kind)
         who = f"rank {self._rank}/{self._world_size}: group {self._prefix}"
         for why in refusals:
             logger.info("%s: %s tensors: passed over %s", who, device, why)
+        if layout:
+            logger.info("%s: %s tensors: layout %s", who, device, layout)
+            self._layout = layout
         logger.info("%s: %s tensors over %s (backend %r; slot_bytes=%d, num_slots=%d, "
                     "direct_max_bytes=%d, two_shot_max_bytes=%d, algo=%s)", who, device,
                     engine.transport, self._kind, self._options.slot_bytes,
@@ -199,6 +210,11 @@ class ProcessGroup:
         return self._world_size
 
     @property
+    def ranks(self) -> List[int]:
+        """The ranks of the parent group that form this group (group rank i is ``ranks[i]``)."""
+        return list(self._ranks)
+
+    @property
     def options(self) -> RingOptions:
         return self._options
 
@@ -206,6 +222,11 @@ class ProcessGroup:
     def backend(self) -> str:
         """What the group was created with: "shm", "auto", "cuda_ipc", "nccl" or "nccl_ring"."""
         return self._kind
+
+    def layout(self) -> str:
+        """Where the ranks run and how the CPU engine composes, e.g. "1 host: ranks 0,1 on ..."
+        or "hierarchical (shm inside each host, gloo between hosts ...); 2 hosts: ..."."""
+        return self._layout
 
     def transports(self) -> Dict[str, str]:
         """The transport serving each device type so far, e.g. {"cpu": "shm", "cuda": "cuda_ipc"}.
@@ -231,17 +252,22 @@ class ProcessGroup:
             )
         return _SUPPORTED_OPS[key]
 
+    def _tensors(self, ts: object, call: str, what: str) -> List[torch.Tensor]:
+        if not isinstance(ts, (list, tuple)):
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be a list of "
+                            f"tensors, got {type(ts).__name__}")
+        return [self._tensor(t, call, f"{what} entry") for t in ts]
+
     def _rank_arg(self, value: object, call: str, what: str) -> int:
-        """A rank of this group given as any integral (int, numpy.int64...), as torch
-        takes it; out-of-range values get the message the engine's checks give."""
+        """A rank of this group given as any integral (an int, numpy.int64, ...), as torch takes it."""
+        why = (f"pyddp: rank {self._rank}: {call}: {what} must be an int (a rank of this "
+               f"group), got {value!r}")
         if isinstance(value, bool):
-            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int, got "
-                            f"{value!r}")
+            raise TypeError(why)
         try:
             rank = operator.index(value)
         except TypeError:
-            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int, got "
-                            f"{value!r}") from None
+            raise TypeError(why) from None
         if not 0 <= rank < self._world_size:
             raise ValueError(f"pyddp: rank {self._rank}: {call}: {what}={rank} is not a rank of "
                              f"this group (world_size {self._world_size})")
@@ -303,6 +329,122 @@ class ProcessGroup:
 
     reduce_scatter_tensor = reduce_scatter_single
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False
+               ) -> Optional[Work]:
+        """``tensor`` of rank ``dst`` = the reduction over ranks; other ranks' are left as they were."""
+        t = self._tensor(tensor, "reduce", "tensor")
+        root = self._rank_arg(dst, "reduce", "dst")
+        engine = self._engine(t, "reduce", "tensor")
+        return _finish(engine.reduce(t, self._op(op, "reduce"), root, async_op), async_op)
+
+    def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None,
+               dst: int = 0, async_op: bool = False) -> Optional[Work]:
+        """``gather_list[r]`` of rank ``dst`` = rank r's ``tensor`` (only ``dst`` passes a list)."""
+        t = self._tensor(tensor, "gather", "tensor")
+        root = self._rank_arg(dst, "gather", "dst")
+        outs = [] if gather_list is None else self._tensors(gather_list, "gather", "gather_list")
+        engine = self._engine(t, "gather", "tensor")
+        return _finish(engine.gather(outs, t, root, async_op), async_op)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None,
+                src: int = 0, async_op: bool = False) -> Optional[Work]:
+        """``tensor`` of rank r = ``scatter_list[r]`` of rank ``src`` (only ``src`` passes a list)."""
+        t = self._tensor(tensor, "scatter", "tensor")
+        root = self._rank_arg(src, "scatter", "src")
+        ins = [] if scatter_list is None else self._tensors(scatter_list, "scatter", "scatter_list")
+        engine = self._engine(t, "scatter", "tensor")
+        return _finish(engine.scatter(t, ins, root, async_op), async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Optional[List[int]] = None,
+                          input_split_sizes: Optional[List[int]] = None,
+                          async_op: bool = False) -> Optional[Work]:
+        """Block k of ``input`` (``input_split_sizes[k]`` rows, or an even share) goes to rank k;
+        block k of ``output`` comes from rank k. Rank r's ``output_split_sizes[k]`` must equal
+        rank k's ``input_split_sizes[r]``."""
+        out = self._tensor(output, "all_to_all_single", "output")
+        inp = self._tensor(input, "all_to_all_single", "input")
+        engine = self._engine(inp, "all_to_all_single", "input")
+        return _finish(engine.all_to_all_single(out, inp, list(output_split_sizes or []),
+                                                list(input_split_sizes or []), async_op),
+                       async_op)
+
+    def all_to_all(self, output_tensor_list: List[torch.Tensor],
+                   input_tensor_list: List[torch.Tensor], async_op: bool = False
+                   ) -> Optional[Work]:
+        """``output_tensor_list[k]`` = rank k's ``input_tensor_list[rank]``."""
+        outs = self._tensors(output_tensor_list, "all_to_all", "output_tensor_list")
+        ins = self._tensors(input_tensor_list, "all_to_all", "input_tensor_list")
+        if not ins:
+            raise ValueError(f"pyddp: rank {self._rank}: all_to_all: input_tensor_list is empty")
+        engine = self._engine(ins[0], "all_to_all", "input_tensor_list entry")
+        return _finish(engine.all_to_all(outs, ins, async_op), async_op)
+
+    def all_reduce_coalesced(self, tensors: List[torch.Tensor], op=ReduceOp.SUM,
+                             async_op: bool = False) -> Optional[Work]:
+        """Reduces every tensor of ``tensors`` (one dtype) in place, as one collective."""
+        ts = self._tensors(tensors, "all_reduce_coalesced", "tensors")
+        engine = self._engine(ts[0], "all_reduce_coalesced", "tensors entry") if ts else None
+        if engine is None:
+            raise ValueError(f"pyddp: rank {self._rank}: all_reduce_coalesced: tensors is empty")
+        return _finish(engine.all_reduce_coalesced(ts, self._op(op, "all_reduce_coalesced"),
+                                                   async_op), async_op)
+
+    def all_gather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
+                                         inputs: List[torch.Tensor], async_op: bool = False
+                                         ) -> Optional[Work]:
+        """``outputs[i]`` = every rank's ``inputs[i]`` in rank order, as one collective."""
+        outs = self._tensors(outputs, "all_gather_into_tensor_coalesced", "outputs")
+        ins = self._tensors(inputs, "all_gather_into_tensor_coalesced", "inputs")
+        if not ins:
+            raise ValueError(f"pyddp: rank {self._rank}: all_gather_into_tensor_coalesced: "
+                             "inputs is empty")
+        engine = self._engine(ins[0], "all_gather_into_tensor_coalesced", "inputs entry")
+        return _finish(engine.all_gather_coalesced(outs, ins, async_op), async_op)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor],
+                                        inputs: List[torch.Tensor], op=ReduceOp.SUM,
+                                        async_op: bool = False) -> Optional[Work]:
+        """``outputs[i]`` = block rank of ``inputs[i]`` reduced over ranks, as one collective."""
+        outs = self._tensors(outputs, "reduce_scatter_tensor_coalesced", "outputs")
+        ins = self._tensors(inputs, "reduce_scatter_tensor_coalesced", "inputs")
+        if not ins:
+            raise ValueError(f"pyddp: rank {self._rank}: reduce_scatter_tensor_coalesced: "
+                             "inputs is empty")
+        engine = self._engine(ins[0], "reduce_scatter_tensor_coalesced", "inputs entry")
+        red = self._op(op, "reduce_scatter_tensor_coalesced")
+        return _finish(engine.reduce_scatter_coalesced(outs, ins, red, async_op), async_op)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Starts sending ``tensor`` to rank ``dst``; the Work completes once ``dst`` received it.
+
+        Point-to-point messages run beside the collectives, not in their order; messages
+        between two ranks with the same tag arrive in the order they were sent.
+        """
+        t = self._tensor(tensor, "send", "tensor")
+        peer = self._rank_arg(dst, "send", "dst")
+        return Work(self._engine(t, "send", "tensor").send(t, peer, operator.index(tag), True))
+
+    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Work:
+        """Starts receiving into ``tensor`` from rank ``src`` (a message of the same size and
+        dtype, with the same tag)."""
+        t = self._tensor(tensor, "recv", "tensor")
+        if src is None:
+            raise ValueError(f"pyddp: rank {self._rank}: recv without a source rank (src=None) "
+                             "is not supported by pyddp: name the rank the message comes from")
+        peer = self._rank_arg(src, "recv", "src")
+        return Work(self._engine(t, "recv", "tensor").recv(t, peer, operator.index(tag), True))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Sends ``tensor`` to rank ``dst``; returns once ``dst`` received it."""
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
+        """Receives into ``tensor`` from rank ``src``; returns ``src``."""
+        work = self.irecv(tensor, src, tag)
+        work.wait()
+        return operator.index(src)
+
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier, on every engine of the group
         (so a CUDA engine's queued collectives are done too)."""
@@ -351,11 +493,12 @@ def init_process_group(
     if _default_group is not None:
         raise RuntimeError("pyddp: the default process group is already initialized; "
                            "call pyddp.destroy_process_group() first")
-    _default_group = new_group(backend, init_method, rank, world_size, timeout, store, options)
+    _default_group = create_group(backend, init_method, rank, world_size, timeout, store,
+                                  options)
     return _default_group
 
 
-def new_group(
+def create_group(
     backend: str = "shm",
     init_method: Optional[str] = None,
     rank: Optional[int] = None,
@@ -364,23 +507,116 @@ def new_group(
     store: Optional[dist.Store] = None,
     options: Optional[RingOptions] = None,
 ) -> ProcessGroup:
-    """Like init_process_group, but returns a group without making it the default."""
+    """A group of its own, as init_process_group makes, without making it the default: every
+    rank that meets through ``init_method`` (or ``store``) is a member."""
     if not isinstance(backend, str):
-        raise TypeError(f"pyddp.new_group: backend must be one of {BACKENDS}, got {backend!r}; "
-                        "a pyddp group spans every rank of its store (no subgroups by ranks)")
+        raise TypeError(f"pyddp.create_group: backend must be one of {BACKENDS}, got "
+                        f"{backend!r}")
     if backend not in BACKENDS:
         raise ValueError(f"pyddp: backend {backend!r} is not available; this build has {BACKENDS}")
-    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"pyddp: timeout must be a positive datetime.timedelta, got {timeout!r}")
+    _check_timeout(timeout)
     if store is None:
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, timeout)
     elif rank is None or world_size is None:
         raise ValueError("pyddp: a store needs explicit rank and world_size")
     opts = RingOptions(options) if options is not None else RingOptions()
-    opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    opts.timeout_ms = _milliseconds(timeout)
     opts.validate()
     return ProcessGroup(backend, store, f"pyddp/{next(_group_ids)}", rank, world_size, timeout,
                         opts)
+
+
+def _check_timeout(timeout: object) -> None:
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"pyddp: timeout must be a positive datetime.timedelta, got {timeout!r}")
+
+
+def _milliseconds(timeout: datetime.timedelta) -> int:
+    return max(1, int(timeout.total_seconds() * 1000))
+
+
+class NonMemberGroup:
+    """What ``new_group`` returns on a rank that is not among its ``ranks`` (torch returns
+    ``GroupMember.NON_GROUP_MEMBER``): it refuses every collective, naming the group."""
+
+    def __init__(self, rank: int, ranks: List[int]) -> None:
+        self._rank = rank
+        self.ranks = list(ranks)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise RuntimeError(f"pyddp: rank {self._rank} is not a member of this group (ranks "
+                           f"{self.ranks}): {name} is for its members only")
+
+    def __repr__(self) -> str:
+        return f"NonMemberGroup(ranks={self.ranks})"
+
+
+def new_group(
+    ranks: Optional[List[int]] = None,
+    timeout: Optional[datetime.timedelta] = None,
+    backend: Optional[str] = None,
+    pg_options: Optional[RingOptions] = None,
+    *,
+    group: Optional[ProcessGroup] = None,
+    **standalone,
+) -> Union[ProcessGroup, NonMemberGroup]:
+    """A subgroup of ``group`` (default: the default group) of its ranks ``ranks``, as
+    ``torch.distributed.new_group``.
+
+    Every rank of ``group`` calls it with the same ``ranks``, in the same order as its other
+    new_group calls; members get a ProcessGroup whose rank i is ``sorted(ranks)[i]`` (its
+    ``ranks``), others a NonMemberGroup that refuses collectives. ``ranks`` None: every rank.
+    ``timeout``, ``backend`` and ``pg_options`` default to the parent's. The subgroup has shared
+    memory of its own.
+
+    The form of pyddp 0.1, ``new_group("shm", store=..., rank=..., world_size=...)``, still makes
+    a group of its own: see create_group.
+    """
+    if isinstance(ranks, str) or standalone:
+        positional = {} if ranks is None else {"backend": ranks}
+        if timeout is not None:
+            standalone.setdefault("timeout", timeout)
+        return create_group(**positional, **standalone)
+    parent = _group(group, "new_group")
+    members = sorted(range(parent.size()) if ranks is None else
+                     (parent._rank_arg(r, "new_group", "ranks entry") for r in ranks))
+    if len(set(members)) != len(members) or not members:
+        raise ValueError(f"pyddp: rank {parent.rank()}: new_group: ranks must be distinct ranks "
+                         f"of the group, got {ranks!r}")
+    index = parent._subgroups
+    parent._subgroups += 1
+    if parent.rank() not in members:
+        return NonMemberGroup(parent.rank(), members)
+    kind = parent.backend if backend is None else backend
+    if kind not in BACKENDS:
+        raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
+    limit = parent.timeout if timeout is None else timeout
+    _check_timeout(limit)
+    opts = RingOptions(pg_options if pg_options is not None else parent.options)
+    opts.timeout_ms = _milliseconds(limit)
+    opts.validate()
+    prefix = f"{parent._prefix}/sub{index}"
+    return ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
+                        members.index(parent.rank()), len(members), limit, opts, members)
+
+
+def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
+                  timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None,
+                  pg_options: Optional[RingOptions] = None
+                  ) -> Tuple[ProcessGroup, List[Union[ProcessGroup, NonMemberGroup]]]:
+    """Splits ``group`` (default: the default group) into consecutive subgroups of
+    ``group_size`` ranks, as ``torch.distributed.new_subgroups``; returns this rank's subgroup
+    and all of them (NonMemberGroup for the others)."""
+    parent = _group(group, "new_subgroups")
+    size = operator.index(group_size)
+    if size <= 0 or parent.size() % size:
+        raise ValueError(f"pyddp: rank {parent.rank()}: new_subgroups: group_size {group_size} "
+                         f"must divide the group's size {parent.size()}")
+    subgroups = [new_group(list(range(first, first + size)), timeout, backend, pg_options,
+                           group=parent) for first in range(0, parent.size(), size)]
+    return subgroups[parent.rank() // size], subgroups
 
 
 def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
@@ -457,6 +693,95 @@ def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Opt
     return _group(group, "barrier").barrier(async_op)
 
 
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
+           async_op: bool = False) -> Optional[Work]:
+    return _group(group, "reduce").reduce(tensor, dst, op, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
+           group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    return _group(group, "gather").gather(tensor, gather_list, dst, async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
+            group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    return _group(group, "scatter").scatter(tensor, scatter_list, src, async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None,
+                      group: Optional[ProcessGroup] = None, async_op: bool = False
+                      ) -> Optional[Work]:
+    return _group(group, "all_to_all_single").all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, async_op)
+
+
+def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
+               group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    return _group(group, "all_to_all").all_to_all(output_tensor_list, input_tensor_list, async_op)
+
+
+def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM,
+                         group: Optional[ProcessGroup] = None, async_op: bool = False
+                         ) -> Optional[Work]:
+    return _group(group, "all_reduce_coalesced").all_reduce_coalesced(tensors, op, async_op)
+
+
+def all_gather_into_tensor_coalesced(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                     group: Optional[ProcessGroup] = None,
+                                     async_op: bool = False) -> Optional[Work]:
+    return _group(group, "all_gather_into_tensor_coalesced").all_gather_into_tensor_coalesced(
+        outputs, inputs, async_op)
+
+
+def reduce_scatter_tensor_coalesced(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,
+                                    async_op: bool = False) -> Optional[Work]:
+    return _group(group, "reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(
+        outputs, inputs, op, async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Optional[ProcessGroup] = None,
+         tag: int = 0) -> None:
+    _group(group, "send").send(tensor, dst, tag)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None,
+         tag: int = 0) -> int:
+    return _group(group, "recv").recv(tensor, src, tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Optional[ProcessGroup] = None,
+          tag: int = 0) -> Work:
+    return _group(group, "isend").isend(tensor, dst, tag)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[ProcessGroup] = None,
+          tag: int = 0) -> Work:
+    return _group(group, "irecv").irecv(tensor, src, tag)
+
+
+class P2POp:
+    """One operation of batch_isend_irecv, as torch.distributed.P2POp: ``op`` is pyddp.isend or
+    pyddp.irecv, ``peer`` a rank of ``group``."""
+
+    def __init__(self, op, tensor: torch.Tensor, peer: int,
+                 group: Optional[ProcessGroup] = None, tag: int = 0) -> None:
+        if op not in (isend, irecv):
+            raise ValueError(f"pyddp.P2POp: op must be pyddp.isend or pyddp.irecv, got {op!r}")
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
+    """Starts every operation of the list and returns their Works. Their order does not matter
+    (nothing waits before all are started); messages between two ranks in one direction with
+    the same tag are matched in list order."""
+    if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError("pyddp.batch_isend_irecv: expected a non-empty list of pyddp.P2POp")
+    return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+
+
 # --- pyddp as a torch.distributed backend -------------------------------------
 
 TORCH_BACKEND_NAME = "pyddp"
@@ -472,10 +797,11 @@ def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
     opts = RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
-    engine, _ = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"), "shm")
-    logger.info("rank %d/%d: torch.distributed backend %r over %s (slot_bytes=%d, "
+    engine, _, layout = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"),
+                                       "auto")
+    logger.info("rank %d/%d: torch.distributed backend %r over %s (%s; slot_bytes=%d, "
                 "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
-                TORCH_BACKEND_NAME, engine.transport, opts.slot_bytes, opts.num_slots,
+                TORCH_BACKEND_NAME, engine.transport, layout, opts.slot_bytes, opts.num_slots,
                 opts.direct_max_bytes, opts.algo)
     return engine
 

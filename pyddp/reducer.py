@@ -40,7 +40,8 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Union
 
 import torch
 
-from .process_group import ProcessGroup, ReduceOp, Work
+from .ddp_groups import DDPGroup
+from .process_group import ReduceOp, Work
 
 logger = logging.getLogger("pyddp")
 
@@ -137,7 +138,7 @@ class Reducer:
     """Averages the gradients of ``params`` over ``group`` during each synchronised backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 buckets: Sequence[Sequence[int]], group: ProcessGroup,
+                 buckets: Sequence[Sequence[int]], group: DDPGroup,
                  find_unused_parameters: bool, gradient_as_bucket_view: bool) -> None:
         self._params = list(params)
         self._names = list(names)

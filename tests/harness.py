@@ -5,20 +5,21 @@ seconds on the 2-core CI machines) and runs many test cases inside them:
 ``ranks.run(fn, *args)`` calls the module-level function ``fn(ctx, *args)`` on
 every rank and returns the per-rank results, re-raising the first rank
 failure. Every wait is bounded; processes that do not answer are killed.
+pyddp's launcher (``pyddp._launch``) starts, supervises and reaps the
+processes; this module adds the pipes that carry the calls.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from pyddp import _launch
+
 DEFAULT_CALL_TIMEOUT = 120.0
-START_TIMEOUT = 120.0
 
 
 class RankFailure(AssertionError):
@@ -46,9 +47,8 @@ class RankContext:
         return os.path.join(self.tmpdir, name)
 
 
-def _rank_main(rank: int, world_size: int, tmpdir: str, conn, env: Dict[str, str],
-               setup: Optional[Callable]) -> None:
-    os.environ.update(env)
+def _rank_main(rank: int, world_size: int, tmpdir: str, setup: Optional[Callable],
+               conn) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -77,19 +77,23 @@ class Ranks:
     def __init__(self, world_size: int, setup: Optional[Callable] = None,
                  env: Optional[Dict[str, str]] = None) -> None:
         self.world_size = world_size
-        self.tmpdir = tempfile.mkdtemp(prefix="pyddp-test-")
-        ctx = mp.get_context("spawn")
-        self._conns = []
-        self._procs = []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, daemon=True,
-                               args=(rank, world_size, self.tmpdir, child, env or {}, setup))
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._rendezvous = _launch.Rendezvous(prefix="pyddp-test-")
+        self.tmpdir = self._rendezvous.directory
+        pipes = [mp.get_context("spawn").Pipe() for _ in range(world_size)]
+        self._conns = [parent for parent, _ in pipes]
         try:
-            self._collect(START_TIMEOUT, "start")
+            self._job = _launch.spawn(_rank_main, world_size, (world_size, self.tmpdir, setup),
+                                      rank_args=lambda rank: (pipes[rank][1],), env=env,
+                                      daemon=True)
+        except BaseException:
+            self._rendezvous.close()
+            raise
+        finally:
+            # The ranks hold the only other ends, so a rank's exit shows here as EOF.
+            for _, child in pipes:
+                child.close()
+        try:
+            self._collect(_launch.STARTUP_SECONDS, "start")
         except BaseException:
             self.close()
             raise
@@ -104,8 +108,7 @@ class Ranks:
             try:
                 status, value = conn.recv()
             except EOFError:
-                self._procs[rank].join(10)
-                status, value = "dead", Died(self._procs[rank].exitcode)
+                status, value = "dead", Died(self._job.exitcode(rank, _launch.EXIT_SECONDS))
             if status == "dead" and allow_dead:
                 results.append(value)
                 continue
@@ -137,26 +140,20 @@ class Ranks:
         return self._collect(timeout, "/".join(sorted({f.__name__ for f in fns})), allow_dead)
 
     def pid(self, rank: int) -> int:
-        return self._procs[rank].pid
+        return self._job.pid(rank)
 
     def kill(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(10)
+        self._job.kill()
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive():
+        for rank, conn in enumerate(self._conns):
+            if self._job.exitcode(rank) is None:
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-        for proc in self._procs:
-            proc.join(30)
-        self.kill()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self._job.reap(_launch.JOIN_SECONDS)
+        self._rendezvous.close()
 
 
 def pyddp_segments() -> List[str]:

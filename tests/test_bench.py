@@ -4,7 +4,7 @@ The pure parts (busbw factors, sizes, argument checks, the reports) run in
 this process. The collectives' local references are checked against a
 collective simulated on every rank's actual buffers. A few real runs (spawned
 ranks, mpirun when it is installed, torchrun) check that every op comes out
-with no wrong element for every backend that can run here, that the others
+with no wrong element for every peer that can run here, that the others
 are listed as skipped with their reason, and that the JSON, CSV and plot files
 are written. Speed is never asserted.
 """
@@ -23,8 +23,8 @@ import torch
 
 import pyddp
 import pyddp.bench.cli as cli
-from pyddp.bench import backends
-from pyddp.bench.backends import BACKENDS, mpi_launchable
+from pyddp.bench import peers
+from pyddp.bench.peers import PEERS, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped, busbw_factor
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
 from pyddp.bench.report import render, summary
@@ -83,7 +83,7 @@ def test_sizes():
 # --- the collectives' references against a simulated collective -----------------------------
 
 class _Recorder:
-    """A backend whose bound calls do nothing: the test performs the collective itself."""
+    """A peer whose bound calls do nothing: the test performs the collective itself."""
 
     def all_reduce(self, *buffers_and_arguments):
         return lambda: None
@@ -196,11 +196,17 @@ def test_world_size_must_match_torchrun(capsys):
 def test_all_expands_and_defaults():
     options = cli.parse_options(["--ops", "all", "--backends", "all"])
     assert options.plan.ops == list(OPS)
-    assert options.plan.backends == list(BACKENDS)
+    assert options.plan.peers == list(PEERS)
     assert cli.parse_options(["--baseline", "mpi"]).baselines == {"cpu": "mpi", "cuda": "mpi"}
     plan = cli.parse_options([]).plan
     assert (plan.world_size, plan.ops, plan.sizes[0], plan.sizes[-1]) == (
         2, ["all_reduce"], 4096, 64 << 20)
+
+
+def test_peers_is_another_name_for_backends():
+    assert cli.parse_options(["--peers", "pyddp,gloo"]) == cli.parse_options(
+        ["--backends", "pyddp,gloo"])
+    assert cli.parse_options(["--peers", "gloo"]).plan.peers == ["gloo"]
 
 
 def test_launched_rank_reads_torchrun_and_mpirun():
@@ -237,9 +243,9 @@ def test_ddp_subcommand_hands_over_its_arguments(monkeypatch):
 
 # --- reports ----------------------------------------------------------------------------------
 
-def _result(backend: str, size: int, time_us: float, device: str = "cpu",
+def _result(peer: str, size: int, time_us: float, device: str = "cpu",
             wrong=0) -> Result:
-    return Result.from_timing("all_reduce", backend, backend, device, 2, size, size // 4,
+    return Result.from_timing("all_reduce", peer, peer, device, 2, size, size // 4,
                               "float32", "sum", -1, 1, time_us / 1e6, wrong)
 
 
@@ -319,20 +325,20 @@ def _deepspeed_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(DEEPSPEED_SEGMENT)}
 
 
-def _by_backend(results: list[dict]) -> dict[str, set[tuple[str, int]]]:
+def _by_peer(results: list[dict]) -> dict[str, set[tuple[str, int]]]:
     found: dict[str, set[tuple[str, int]]] = {}
     for r in results:
-        found.setdefault(r["backend"], set()).add((r["op"], r["size"]))
+        found.setdefault(r["peer"], set()).add((r["op"], r["size"]))
     return found
 
 
 def _skips(document: dict) -> dict[tuple[str, str], str]:
-    return {(s["backend"], s["op"] or "*"): s["reason"] for s in document["skipped"]}
+    return {(s["peer"], s["op"] or "*"): s["reason"] for s in document["skipped"]}
 
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    """One spawned run of every op on 2 ranks, every backend, with every output file."""
+    """One spawned run of every op on 2 ranks, every peer, with every output file."""
     out = tmp_path_factory.mktemp("bench")
     paths = {kind: str(out / f"run.{kind}") for kind in ("json", "csv", "png")}
     before = _deepspeed_segments()
@@ -355,7 +361,7 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     assert "# wrong elements: 0 OK" in process.stdout
     assert all(r["wrong"] == 0 for r in document["results"])
     points = {(op, size) for op in ALL_OPS for size in (64, 4096)}
-    found, skips = _by_backend(document["results"]), _skips(document)
+    found, skips = _by_peer(document["results"]), _skips(document)
     assert found["pyddp"] == points and found["gloo"] == points
     mpi_reason = mpi_launchable()
     if mpi_reason is None:
@@ -368,11 +374,11 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
             assert "all_reduce only" in skips[("deepspeed", op)]
     else:
         assert skips[("deepspeed", "*")] == "deepspeed is not installed"
-    # Ranks share GPUs round-robin: with a GPU every GPU backend runs, except
+    # Ranks share GPUs round-robin: with a GPU every GPU peer runs, except
     # NCCL ones when two ranks share a GPU and NCCL is older than 2.30.
     nccl_ok = torch.cuda.is_available() and (
         torch.cuda.device_count() >= 2
-        or tuple(torch.cuda.nccl.version()[:2]) >= backends.NCCL_MULTI_RANK_GPU_VERSION)
+        or tuple(torch.cuda.nccl.version()[:2]) >= peers.NCCL_MULTI_RANK_GPU_VERSION)
     for gpu in ("nccl", "pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl", "pyddp_nccl_ring"):
         nccl = gpu in ("nccl", "pyddp_nccl", "pyddp_nccl_ring")
         if not torch.cuda.is_available():
@@ -392,14 +398,14 @@ def test_outputs_are_written(cpu_run):
     with open(paths["csv"], encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(document["results"]) > 0
-    assert [(r["backend"], r["op"], int(r["size"]), int(r["wrong"])) for r in rows] == [
-        (r["backend"], r["op"], r["size"], r["wrong"]) for r in document["results"]]
+    assert [(r["peer"], r["op"], int(r["size"]), int(r["wrong"])) for r in rows] == [
+        (r["peer"], r["op"], r["size"], r["wrong"]) for r in document["results"]]
     if _installed("matplotlib"):
         with open(paths["png"], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert os.path.getsize(paths["png"]) > 10_000
     assert _deepspeed_segments() <= before, "DeepSpeed's shared memory was left in /dev/shm"
-    assert "# all_reduce  backend: pyddp" in process.stdout
+    assert "# all_reduce  peer: pyddp" in process.stdout
     assert "# summary: all_reduce on cpu, speed-up over gloo" in process.stdout
 
 
@@ -444,7 +450,7 @@ def test_under_torchrun_the_tool_is_the_ranks(tmp_path):
     assert process.stdout.count("# wrong elements: 0 OK") == 1
     with open(path, encoding="utf-8") as f:
         document = json.load(f)
-    assert _by_backend(document["results"]) == {
+    assert _by_peer(document["results"]) == {
         name: {("all_reduce", 1024), ("reduce_scatter", 1024)} for name in ("pyddp", "gloo")}
     assert all(r["wrong"] == 0 for r in document["results"])
     assert (mpi_launchable() or "not started by mpirun") in _skips(document)[("mpi", "*")]

@@ -477,7 +477,7 @@ def test_constructor_arguments_are_checked():
             DistributedDataParallel(nn.ReLU(), process_group=group)
         with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
             DistributedDataParallel(Net(), process_group=group, bucket_cap_mb=0)
-        with pytest.raises(RuntimeError, match="default process group is not initialized"):
+        with pytest.raises(RuntimeError, match="no process group: call pyddp.init_process_group"):
             DistributedDataParallel(Net())
     finally:
         group.shutdown()

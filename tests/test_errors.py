@@ -102,8 +102,9 @@ def test_bad_group_arguments():
     options.algo, options.direct_max_bytes = pyddp.Algo.TWO_SHOT, 0
     with pytest.raises(ValueError, match="algo=two_shot .* needs direct_max_bytes"):
         options.validate()
-    # torch.distributed.new_group's first argument is a rank list; pyddp's is the backend.
-    with pytest.raises(TypeError, match="no subgroups by ranks"):
+    # A subgroup by ranks is made from the default group, which does not exist here.
+    with pytest.raises(RuntimeError, match="new_group: the default process group is not "
+                                           "initialized"):
         pyddp.new_group([0, 1])
 
 

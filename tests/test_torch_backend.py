@@ -149,8 +149,8 @@ def _async_and_objects(ctx: RankContext) -> None:
 
 
 def _unsupported(ctx: RankContext) -> None:
-    with pytest.raises(RuntimeError, match="pyddp does not support (alltoall|all_to_all)"):
-        dist.all_to_all_single(torch.empty(ctx.world_size), torch.ones(ctx.world_size))
+    with pytest.raises(ValueError, match="recv without a source rank .* is not supported"):
+        dist.recv(torch.empty(2))
     with pytest.raises(ValueError, match=r"allreduce: the pyddp backend does not support "
                                          r"ReduceOp\.BAND"):
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
@@ -231,3 +231,24 @@ def test_torch_ddp_trains_as_on_gloo(ranks):
     torch.manual_seed(0)
     initial = torch.nn.Linear(20, 64).weight.detach().numpy()
     assert not np.allclose(on_pyddp[0][0], initial)
+
+
+def _per_call_timeout(ctx: RankContext) -> str:
+    """c10d's per-call timeout bounds that call alone, here far below the group's 60 s."""
+    group = dist.new_group(backend="pyddp", timeout=datetime.timedelta(seconds=60))
+    try:
+        if ctx.rank != 0:
+            return ""  # never joins the collective
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(milliseconds=700)
+        backend = group._get_backend(torch.device("cpu"))
+        with pytest.raises(dist.DistBackendError) as error:
+            backend.allreduce([torch.ones(4)], opts).wait()
+        return str(error.value)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_the_per_call_timeout_bounds_the_call(ranks):
+    message = ranks.run(_per_call_timeout)[0]
+    assert "did not arrive at all_reduce #1 within the timeout of 700 ms" in message, message

@@ -1,6 +1,7 @@
 #include "algorithms/collectives.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "algorithms/schedule.h"
 #include "common/check.h"
@@ -16,6 +17,13 @@ char* at(void* base, size_t elem, size_t elemSize) {
 }
 const char* at(const void* base, size_t elem, size_t elemSize) {
   return static_cast<const char*>(base) + elem * elemSize;
+}
+
+// The tag of a collective's messages: below every tag a user can give (a
+// C int), and one per collective, so no message of one collective is
+// taken by another.
+int64_t collectiveTag(const CollectiveDesc& desc) {
+  return std::numeric_limits<int64_t>::min() + static_cast<int64_t>(desc.seq);
 }
 
 // Elements per piece: a slot must hold a piece as partial results, which
@@ -206,6 +214,146 @@ void chainBroadcast(const Call& c, void* buf, size_t bytes, int root) {
 
 void barrier(const Call& c) {
   c.transport.enter(c.desc, c.deadline);
+}
+
+void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const void* in,
+                      const std::vector<size_t>& sendCounts,
+                      const std::vector<size_t>& sendOffsets, void* out,
+                      const std::vector<size_t>& recvCounts,
+                      const std::vector<size_t>& recvOffsets) {
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(dtype);
+  const int64_t tag = collectiveTag(c.desc);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  // my own block needs no message
+  c.transport.local().copy(at(out, recvOffsets[r], es), at(in, sendOffsets[r], es),
+                           recvCounts[r] * es);
+  // step s: send to rank + s, receive from rank - s, all at once
+  std::vector<uint64_t> ops;
+  for (int step = 1; step < n; ++step) {
+    const int to = schedule::mod(r + step, n), from = schedule::mod(r - step, n);
+    ops.push_back(link.postSend(to, tag, dtype, at(in, sendOffsets[to], es),
+                                sendCounts[to] * es, c.deadline));
+    ops.push_back(link.postRecv(from, tag, dtype, at(out, recvOffsets[from], es),
+                                recvCounts[from] * es, c.deadline));
+  }
+  // every block moved
+  link.wait(ops);
+}
+
+void directGather(const Call& c, MessageLink& link, DataType dtype, const void* in,
+                  const std::vector<void*>& outBlocks, size_t count, int root) {
+  const size_t bytes = count * elementSize(dtype);
+  const int64_t tag = collectiveTag(c.desc);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  std::vector<uint64_t> ops;
+  if (c.rank != root) {
+    // send my block to the root
+    ops.push_back(link.postSend(root, tag, dtype, in, bytes, c.deadline));
+  } else {
+    // the root keeps its own block and receives every other
+    c.transport.local().copy(outBlocks[root], in, bytes);
+    for (int k = 0; k < c.worldSize; ++k) {
+      if (k != root) ops.push_back(link.postRecv(k, tag, dtype, outBlocks[k], bytes, c.deadline));
+    }
+  }
+  link.wait(ops);
+}
+
+void directScatter(const Call& c, MessageLink& link, DataType dtype,
+                   const std::vector<const void*>& inBlocks, void* out, size_t count,
+                   int root) {
+  const size_t bytes = count * elementSize(dtype);
+  const int64_t tag = collectiveTag(c.desc);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  std::vector<uint64_t> ops;
+  if (c.rank != root) {
+    // receive my block from the root
+    ops.push_back(link.postRecv(root, tag, dtype, out, bytes, c.deadline));
+  } else {
+    // the root keeps its block and sends every other
+    c.transport.local().copy(out, inBlocks[root], bytes);
+    for (int k = 0; k < c.worldSize; ++k) {
+      if (k != root) ops.push_back(link.postSend(k, tag, dtype, inBlocks[k], bytes, c.deadline));
+    }
+  }
+  link.wait(ops);
+}
+
+void ringReduce(const Call& c, MessageLink& link, const kernels::ReduceSpec& spec,
+                const void* in, void* out, size_t count, int root) {
+  RingLink& ring = c.transport.ring();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  const size_t pe = reducePieceElems(ring, spec.dtype);
+  auto slice = [&](int b, size_t p) {
+    const Range blk = schedule::balancedBlock(count, n, b);
+    const Range pc = schedule::piece(blk.count, pe, p);
+    return Range{blk.begin + pc.begin, pc.count};
+  };
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  if (n == 1) {
+    c.transport.local().copy(out, in, count * es);
+    return;
+  }
+  // The reduce phase of ringAllReduce: rank r ends owning block r + 1.
+  const int owned = schedule::recvBlock(r, n - 2, n, 0);
+  const size_t pieces = schedule::numPieces(schedule::balancedBlock(count, n, 0).count, pe);
+  for (size_t p = 0; p < pieces; ++p) {
+    // step 0: send my own block
+    Range s = slice(schedule::sendBlock(r, 0, n, 0), p);
+    if (s.count) ring.sendPartial(spec, at(in, s.begin, es), s.count);
+    // steps 1..n-2: add my share to the partial sum and pass it on
+    for (int step = 0; step < n - 2; ++step) {
+      s = slice(schedule::recvBlock(r, step, n, 0), p);
+      if (s.count) ring.recvReduceSend(spec, at(in, s.begin, es), s.count);
+    }
+    // last step: the block I own is complete
+    s = slice(owned, p);
+    if (s.count) ring.recvReduceCopy(spec, at(in, s.begin, es), at(out, s.begin, es), s.count);
+  }
+  // every owned block to the root
+  const int64_t tag = collectiveTag(c.desc);
+  std::vector<uint64_t> ops;
+  if (r != root) {
+    const Range mine = schedule::balancedBlock(count, n, owned);
+    ops.push_back(link.postSend(root, tag, spec.dtype, at(out, mine.begin, es), mine.count * es,
+                                c.deadline));
+  } else {
+    for (int k = 0; k < n; ++k) {
+      if (k == root) continue;
+      const Range theirs = schedule::balancedBlock(count, n, schedule::recvBlock(k, n - 2, n, 0));
+      ops.push_back(link.postRecv(k, tag, spec.dtype, at(out, theirs.begin, es),
+                                  theirs.count * es, c.deadline));
+    }
+  }
+  link.wait(ops);
+}
+
+void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
+                  const void* in, void* out, size_t count, int root) {
+  const size_t es = elementSize(spec.dtype);
+  const size_t chunkElems = mem.capacityBytes() / es;
+  PYDDP_CHECK(chunkElems > 0 || count == 0, "direct reduce needs staging memory");
+  LocalOps& ops = c.transport.local();
+  std::vector<const void*> src(c.worldSize);
+  // every rank arrived with the same call
+  c.transport.enter(c.desc, c.deadline);
+  for (size_t begin = 0; begin < count; begin += chunkElems) {
+    const size_t n = std::min(chunkElems, count - begin);
+    // stage my share of the chunk where the root can read it
+    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    // every rank staged it
+    mem.exchange();
+    if (c.rank != root) continue;
+    // the root reduces all shares in rank order
+    for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
+    ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
+  }
 }
 
 } // namespace algorithms

@@ -46,5 +46,38 @@ void chainBroadcast(const Call& c, void* buf, size_t bytes, int root);
 // Returns once every rank has entered.
 void barrier(const Call& c);
 
+// Algorithms over point-to-point messages (MessageLink). Each is one round
+// of messages tagged for this collective alone, so they never meet a
+// user's send or recv.
+
+// Block k of `in` (sendCounts[k] elements at sendOffsets[k]) goes to rank
+// k; block k of `out` (recvCounts[k] at recvOffsets[k]) comes from rank k;
+// this rank's own block is copied. Messages are posted in the pairwise
+// order (rank + step) % n, so the ranks do not all start on one peer; a
+// block size that the sender and the receiver disagree on fails both.
+void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const void* in,
+                      const std::vector<size_t>& sendCounts,
+                      const std::vector<size_t>& sendOffsets, void* out,
+                      const std::vector<size_t>& recvCounts,
+                      const std::vector<size_t>& recvOffsets);
+// outBlocks[k] of rank `root` = in of rank k (count elements each); only
+// the root receives, every other rank sends once.
+void directGather(const Call& c, MessageLink& link, DataType dtype, const void* in,
+                  const std::vector<void*>& outBlocks, size_t count, int root);
+// out of rank k = inBlocks[k] of rank `root` (count elements each).
+void directScatter(const Call& c, MessageLink& link, DataType dtype,
+                   const std::vector<const void*>& inBlocks, void* out, size_t count,
+                   int root);
+// out of rank `root` = reduce(in over ranks): the reduce phase of the ring
+// (each rank ends with one reduced block), then every rank's block to the
+// root. out of the other ranks is scratch. Moves half what an all-reduce
+// moves into the ranks that are not the root.
+void ringReduce(const Call& c, MessageLink& link, const kernels::ReduceSpec& spec,
+                const void* in, void* out, size_t count, int root);
+// The same from every rank's staged copy, reduced by the root alone: for
+// small messages.
+void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
+                  const void* in, void* out, size_t count, int root);
+
 } // namespace algorithms
 } // namespace pyddp

@@ -56,4 +56,83 @@ void ArgChecks::root(int root, const char* call, const char* what) const {
                     root, " is not a rank of this group (world_size ", size_, ")");
 }
 
+void ArgChecks::peer(int peer, const char* call, const char* what) const {
+  PYDDP_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "rank ", rank_, ": ", call, ": ",
+                    what, "=", peer, " must be another rank of this group (world_size ", size_,
+                    ")");
+}
+
+void ArgChecks::blockList(const std::vector<at::Tensor>& list, const at::Tensor& input,
+                          const char* call, const char* name) const {
+  const std::string entry = std::string(name) + " entry";
+  PYDDP_CHECK_VALUE(static_cast<int>(list.size()) == size_, "rank ", rank_, ": ", call, ": ",
+                    name, " has ", list.size(), " tensors, expected world_size = ", size_);
+  for (const auto& t : list) {
+    PYDDP_CHECK_TYPE(tensor(t, call, entry.c_str()) == tensor(input, call, "input"), "rank ",
+                     rank_, ": ", call, ": ", name, " entry dtype ", t.scalar_type(),
+                     " differs from input dtype ", input.scalar_type());
+    PYDDP_CHECK_VALUE(t.numel() == input.numel(), "rank ", rank_, ": ", call, ": ", name,
+                      " entry has ", t.numel(), " elements, expected ", input.numel(),
+                      " (the input's)");
+    writable(t, call, entry.c_str());
+  }
+}
+
+DataType ArgChecks::sameType(const std::vector<at::Tensor>& tensors, const char* call,
+                             const char* what, bool written) const {
+  PYDDP_CHECK_VALUE(!tensors.empty(), "rank ", rank_, ": ", call, ": no ", what, " tensors");
+  const DataType dtype = tensor(tensors[0], call, what);
+  for (const auto& t : tensors) {
+    PYDDP_CHECK_TYPE(tensor(t, call, what) == dtype, "rank ", rank_, ": ", call, ": every ",
+                     what, " must have dtype ", tensors[0].scalar_type(), ", got ",
+                     t.scalar_type());
+    if (written) writable(t, call, what);
+  }
+  return dtype;
+}
+
+int64_t ArgChecks::rowElements(const at::Tensor& output, const at::Tensor& input,
+                               const char* call) const {
+  auto row = [](const at::Tensor& t) {
+    int64_t n = 1;
+    for (int64_t d = 1; d < t.dim(); ++d) n *= t.size(d);
+    return n;
+  };
+  PYDDP_CHECK_VALUE(row(output) == row(input), "rank ", rank_, ": ", call, ": output rows have ",
+                    row(output), " elements, input rows ", row(input),
+                    "; the tensors must agree in every dimension but the first");
+  return row(input);
+}
+
+ArgChecks::Blocks ArgChecks::splits(const at::Tensor& t, const std::vector<int64_t>& splits,
+                                    int64_t row, const char* call, const char* what) const {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  Blocks b;
+  if (splits.empty()) {
+    PYDDP_CHECK_VALUE(rows % size_ == 0, "rank ", rank_, ": ", call, ": ", what, " has ", rows,
+                      " rows, which world_size ", size_, " does not divide; pass ", what,
+                      "_split_sizes");
+    b.counts.assign(size_, static_cast<size_t>(rows / size_ * row));
+  } else {
+    PYDDP_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "rank ", rank_, ": ", call,
+                      ": ", what, "_split_sizes has ", splits.size(),
+                      " entries, expected world_size = ", size_);
+    int64_t sum = 0;
+    for (int64_t s : splits) {
+      PYDDP_CHECK_VALUE(s >= 0, "rank ", rank_, ": ", call, ": ", what, "_split_sizes holds ", s,
+                        "; sizes cannot be negative");
+      sum += s;
+      b.counts.push_back(static_cast<size_t>(s * row));
+    }
+    PYDDP_CHECK_VALUE(sum == rows, "rank ", rank_, ": ", call, ": ", what,
+                      "_split_sizes add up to ", sum, " rows, but ", what, " has ", rows);
+  }
+  size_t at = 0;
+  for (size_t c : b.counts) {
+    b.offsets.push_back(at);
+    at += c;
+  }
+  return b;
+}
+
 } // namespace pyddp

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <vector>
 
 #include "common/types.h"
 
@@ -27,6 +28,28 @@ class ArgChecks {
                   bool outputIsWhole) const;
   void op(RedOp op, DataType dtype, const char* call) const;
   void root(int root, const char* call, const char* what) const;
+  // Another rank of the group, for point-to-point.
+  void peer(int peer, const char* call, const char* what) const;
+  // A world-sized list of writable tensors each shaped as `input` (in
+  // elements and dtype): all_gather's tensor_list, gather's gather_list.
+  void blockList(const std::vector<at::Tensor>& list, const at::Tensor& input, const char* call,
+                 const char* name) const;
+  // The one dtype of a coalesced call's tensors (writable when `written`).
+  DataType sameType(const std::vector<at::Tensor>& tensors, const char* call, const char* what,
+                    bool written) const;
+
+  // Element counts and offsets of the world_size blocks of an all-to-all
+  // buffer: splits[k] rows (dim 0) each of `row` elements, or equal blocks
+  // when `splits` is empty.
+  struct Blocks {
+    std::vector<size_t> counts;
+    std::vector<size_t> offsets;
+  };
+  // The elements per row (dim 0) that all_to_all_single's output and input
+  // share: splits count rows.
+  int64_t rowElements(const at::Tensor& output, const at::Tensor& input, const char* call) const;
+  Blocks splits(const at::Tensor& t, const std::vector<int64_t>& splits, int64_t row,
+                const char* call, const char* what) const;
 
  private:
   const int rank_;

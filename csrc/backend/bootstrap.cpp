@@ -230,8 +230,9 @@ void Meeting::finish() noexcept {
 
 std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
                                    const std::string& mine, int rank, int size, Ms timeout) {
-  return Meeting(store, rank, size, timeout)
-      .allGather(key, mine, "publish its '" + key + "' value");
+  // Every caller runs it while the group is being made (the host map, NCCL's
+  // id): a rank that never publishes has not joined.
+  return Meeting(store, rank, size, timeout).allGather(key, mine, "join the process group");
 }
 
 void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms timeout) {
@@ -287,6 +288,16 @@ void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms ti
     throw;
   }
   meeting.finish();
+}
+
+void StoreDirectory::publish(const std::string& key, const std::string& value) {
+  store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::optional<std::string> StoreDirectory::lookup(const std::string& key) {
+  if (!store_->check({key})) return std::nullopt;
+  const std::vector<uint8_t> v = store_->get(key);
+  return std::string(v.begin(), v.end());
 }
 
 } // namespace bootstrap

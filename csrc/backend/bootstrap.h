@@ -50,5 +50,17 @@ std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
 void connect(Transport& transport, c10d::Store& store, int rank, int size,
              std::chrono::milliseconds timeout);
 
+// The group's store as a transport's Directory, for connections made after
+// bootstrap (point-to-point channels).
+class StoreDirectory final : public Directory {
+ public:
+  explicit StoreDirectory(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void publish(const std::string& key, const std::string& value) override;
+  std::optional<std::string> lookup(const std::string& key) override;
+
+ private:
+  const c10::intrusive_ptr<c10d::Store> store_;
+};
+
 } // namespace bootstrap
 } // namespace pyddp

@@ -83,12 +83,19 @@ void joinStoppedWorkers() {
 
 CpuExecutor::CpuExecutor(int rank, int64_t timeoutMs) : rank_(rank), timeoutMs_(timeoutMs) {}
 
-void CpuExecutor::start(Transport& transport) {
-  transport_ = &transport;
-  worker_ = std::thread(workerLoop, queue_, this);
+CpuExecutor::Hooks CpuExecutor::hooksOf(Transport& transport) {
+  return Hooks{[&transport] { transport.flush(); },
+               [&transport](const std::string& why) { transport.abandon(why); },
+               [&transport] { transport.abort(); },
+               [&transport](const std::string& why) { transport.abandon(why); }};
+}
+
+void CpuExecutor::start(Hooks hooks) {
+  started_ = true;
   std::lock_guard<std::mutex> lock(queue_->mu);
+  queue_->hooks = std::move(hooks);
+  worker_ = std::thread(workerLoop, queue_, this);
   queue_->workerId = worker_.get_id();
-  queue_->transport = &transport;
 }
 
 CpuExecutor::~CpuExecutor() {
@@ -106,7 +113,7 @@ void CpuExecutor::shutdown() {
     dropped.swap(queue_->jobs);
   }
   queue_->cv.notify_all();
-  if (transport_) transport_->abort();
+  if (started_) queue_->hooks.abort();
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -131,8 +138,8 @@ void CpuExecutor::shutdown() {
   // Peers waiting on this rank, in a collective it will not join now, fail
   // at once instead of at their timeout. (A collective that was running has
   // told them already, with its own reason.)
-  if (transport_) {
-    transport_->abandon(c10::str("rank ", rank_, " destroyed its process group",
+  if (started_ && queue_->hooks.leave) {
+    queue_->hooks.leave(c10::str("rank ", rank_, " destroyed its process group",
                                  dropped.empty() ? "" : " with collectives queued"));
   }
 }
@@ -155,10 +162,11 @@ void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor
 
 c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
   std::unique_lock<std::mutex> lock(queue_->mu);
-  PYDDP_CHECK(transport_ != nullptr, "rank ", rank_, ": ", toString(c.desc.kind),
+  PYDDP_CHECK(started_, "rank ", rank_, ": ", toString(c.desc.kind),
               " before the process group connected");
   PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
               " on a process group that was destroyed");
+  ++issued_;
   const bool onWorker = std::this_thread::get_id() == queue_->workerId;
   const bool sync = !asyncOp && !onWorker;
   if (sync) {
@@ -177,13 +185,19 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
     const auto queue = weak.lock();
     if (!queue) return;
     std::lock_guard<std::mutex> lock(queue->mu);
-    if (queue->stop || queue->transport == nullptr || !queue->gaveUp.empty()) return;
+    if (queue->stop || !queue->gaveUp.empty()) return;
     queue->gaveUp = why;
-    queue->transport->abandon(why);
-    queue->transport->abort();
+    try {
+      queue->hooks.abandon(why);
+    } catch (const std::exception&) {
+      // Telling the peers through the store failed (it went with the rank
+      // that hosted it): they find out at their timeout; this rank still
+      // gives up.
+    }
+    queue->hooks.abort();
   };
   auto work = c10::make_intrusive<CpuWork>(rank_, c.desc.kind, std::move(c.outputs),
-                                           queue_->workerId, std::move(giveUp));
+                                           queue_->workerId, nullptr, "", std::move(giveUp));
   Job job{std::move(c), work, sync};
   if (!asyncOp && onWorker) {
     // A future callback (on the worker, inside the job that just finished
@@ -223,11 +237,13 @@ void CpuExecutor::run(Job& job) {
                      c.desc.seq, " refused: an earlier collective failed and left the "
                      "process group unusable (", brokenBy_, "); destroy it and create a new one");
     try {
-      c.transfer(c.desc, Clock::now() + std::chrono::milliseconds(timeoutMs_));
-      transport_->flush();
+      const auto timeout =
+          c.timeout.count() > 0 ? c.timeout : std::chrono::milliseconds(timeoutMs_);
+      c.transfer(c.desc, Clock::now() + timeout);
+      if (queue_->hooks.flush) queue_->hooks.flush();
     } catch (const std::exception& e) {
       brokenBy_ = messageOf(e);
-      transport_->abandon(brokenBy_);
+      queue_->hooks.abandon(brokenBy_);
       throw;
     }
     c.finish();

@@ -33,9 +33,27 @@ class CpuExecutor final : public Executor {
   CpuExecutor(int rank, int64_t timeoutMs);
   ~CpuExecutor() override;
 
-  // Starts the worker on a connected transport, which stays alive until
-  // shutdown() has returned.
-  void start(Transport& transport);
+  // What the executor tells the peers through, given by the engine.
+  struct Hooks {
+    // After each collective's transfer (NCCL's ring posts a held-back send).
+    std::function<void()> flush;
+    // A transfer failed: this rank is out of step; peers should fail at once.
+    std::function<void(const std::string& why)> abandon;
+    // Teardown, or a waiter was interrupted: every current and later wait
+    // fails.
+    std::function<void()> abort;
+    // Teardown, once the worker stopped: peers waiting in a collective this
+    // rank will not join fail at once. Null where peers cannot be told
+    // without racing a collective they are still finishing (gloo's), so
+    // they find out at their timeout.
+    std::function<void(const std::string& why)> leave;
+  };
+
+  // Starts the worker; what the hooks use stays alive until shutdown() has
+  // returned.
+  void start(Hooks hooks);
+  // The hooks of a connected transport.
+  static Hooks hooksOf(Transport& transport);
 
   c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) override;
   // Stops the worker and makes a running collective fail within
@@ -60,9 +78,11 @@ class CpuExecutor final : public Executor {
     std::condition_variable cv;
     std::deque<Job> jobs;  // mu
     bool busy = false;     // mu; a job is running (worker or caller)
-    bool stop = false;     // mu; the transport may be gone once set
+    bool stop = false;     // mu; what the hooks use may be gone once set
     std::thread::id workerId;
-    Transport* transport = nullptr;  // mu
+    // Set by start(), then only read: under mu by a Work's give-up (which
+    // checks stop first), without it by the running job and shutdown().
+    Hooks hooks;
     // mu; the thread whose synchronous call is in flight, if any.
     std::thread::id syncCaller;
     // mu; why this rank gave up on the group (an interrupted waiter).
@@ -77,7 +97,7 @@ class CpuExecutor final : public Executor {
 
   const int rank_;
   const int64_t timeoutMs_;
-  Transport* transport_ = nullptr;
+  bool started_ = false;
   std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
   // Touched by the running job only (busy serialises jobs, and a callback's
   // nested call runs after its parent's transfer):

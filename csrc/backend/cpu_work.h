@@ -18,14 +18,21 @@ namespace pyddp {
 
 class CpuWork final : public c10d::Work {
  public:
-  // Makes this rank give up on its group, telling the peers why.
+  // Moves bytes on behalf of a waiter; returns whether anything moved.
+  using Driver = std::function<bool()>;
+  // Makes this rank give up on the operation, telling the peers why.
   using GiveUp = std::function<void(const std::string& why)>;
 
   // `workerId` is the thread that runs the group's queued collectives and
-  // their future callbacks (backend/cpu_executor.h); `giveUp` is called when
-  // a waiter is interrupted before the collective completed.
+  // their future callbacks (backend/cpu_executor.h). With a `driver`, a
+  // waiter calls it until the Work completes instead of sleeping until
+  // another thread completes it (point-to-point: no hand-off on the
+  // latency path). `what` names the operation in errors when it has no
+  // sequence number ("send to rank 1 (tag 0)"). `giveUp` is called when a
+  // waiter is interrupted (common/interrupt.h) before the Work completed.
   CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
-          std::thread::id workerId, GiveUp giveUp);
+          std::thread::id workerId, Driver driver = nullptr, std::string what = "",
+          GiveUp giveUp = nullptr);
 
   // The collective got its sequence number and reached the transport.
   void started(uint64_t seq) { seq_.store(seq, std::memory_order_relaxed); }
@@ -47,9 +54,22 @@ class CpuWork final : public c10d::Work {
   // "all_reduce #3", or "all_reduce (queued)" before it started.
   std::string describe() const;
 
+  // Block until completed_ for at most `timeout` (kNoTimeout: no limit);
+  // return whether it completed. mutex_ held. drive() moves the bytes
+  // itself (driver_), sleep() waits for the thread that does. Both give up
+  // and throw when the waiter is interrupted.
+  bool drive(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout);
+  bool sleep(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout);
+  // Throws, having given up (giveUp_), when this thread's caller wants out.
+  // mutex_ not held: the check may take the GIL, which a thread asking
+  // isCompleted() may hold.
+  void giveUpIfInterrupted();
+
   const CollectiveKind kind_;
   std::atomic<uint64_t> seq_{0};
   const std::thread::id workerId_;
+  const Driver driver_;
+  const std::string what_;
   const GiveUp giveUp_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -61,6 +61,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp
                 toString(c.desc.kind), " on a process group that ",
                 monitor_ ? "was destroyed" : "has not connected");
     c.desc.seq = nextSeq_++;
+    ++issued_;
     const std::string what = c10::str(toString(c.desc.kind), " #", c.desc.seq);
     const std::string failure = monitor_->failure();
     PYDDP_CHECK_COMM(failure.empty(), "rank ", rank_, ": ", what, " refused: an earlier "
@@ -87,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp
       for (const auto& t : c.outputs) scope.use(t);
       for (const auto& t : c.uses) scope.use(t);
       try {
-        c.transfer(c.desc, Clock::now() + timeout_);
+        c.transfer(c.desc, Clock::now() + (c.timeout.count() > 0 ? c.timeout : timeout_));
         if (transport) transport->flush();
         c.finish();
       } catch (const std::exception& e) {
@@ -105,7 +106,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp
       }
       work->enqueued(stream_.stream());
     }
-    monitor_->watch(work, timeout_);
+    monitor_->watch(work, c.timeout.count() > 0 ? c.timeout : timeout_);
   }
   if (!asyncOp) work->wait();
   return work;

@@ -6,28 +6,57 @@
 namespace pyddp {
 
 Engine::Engine(int rank, int size, c10::Device device, std::string transport)
-    : c10d::Backend(rank, size),
+    : RefusingBackend(rank, size, "pyddp's " + transport + " engine"),
       device_(device),
       transport_(std::move(transport)),
       checks_(rank, size, device, "this group's " + transport_ + " transport") {}
 
-void Engine::refuse(const char* call) const {
-  C10_THROW_ERROR(TypeError, c10::str("pyddp: rank ", rank_, ": ", call, ": pyddp's ",
-                                      transport_, " engine does not support it"));
-}
-
-c10::intrusive_ptr<c10d::Work> Engine::reduceTo(const at::Tensor&, RedOp, int, bool) {
+WorkPtr Engine::reduceTo(const at::Tensor&, RedOp, int, const CallOptions&) {
   refuse("reduce");
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::gatherTo(const std::vector<at::Tensor>&,
-                                                const at::Tensor&, int, bool) {
+WorkPtr Engine::gatherTo(const std::vector<at::Tensor>&, const at::Tensor&, int,
+                         const CallOptions&) {
   refuse("gather");
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::scatterFrom(const at::Tensor&,
-                                                   const std::vector<at::Tensor>&, int, bool) {
+WorkPtr Engine::scatterFrom(const at::Tensor&, const std::vector<at::Tensor>&, int,
+                            const CallOptions&) {
   refuse("scatter");
+}
+
+WorkPtr Engine::allToAllSingle(const at::Tensor&, const at::Tensor&,
+                               const std::vector<int64_t>&, const std::vector<int64_t>&,
+                               const CallOptions&) {
+  refuse("all_to_all_single");
+}
+
+WorkPtr Engine::allToAllList(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                             const CallOptions&) {
+  refuse("all_to_all");
+}
+
+WorkPtr Engine::allReduceCoalesced(const std::vector<at::Tensor>&, RedOp, const CallOptions&) {
+  refuse("all_reduce_coalesced");
+}
+
+WorkPtr Engine::allGatherCoalesced(const std::vector<at::Tensor>&,
+                                   const std::vector<at::Tensor>&, const CallOptions&) {
+  refuse("all_gather_into_tensor_coalesced");
+}
+
+WorkPtr Engine::reduceScatterCoalesced(const std::vector<at::Tensor>&,
+                                       const std::vector<at::Tensor>&, RedOp,
+                                       const CallOptions&) {
+  refuse("reduce_scatter_tensor_coalesced");
+}
+
+WorkPtr Engine::sendTo(const at::Tensor&, int, int64_t, const CallOptions&) {
+  refuse("send");
+}
+
+WorkPtr Engine::recvFrom(const at::Tensor&, int, int64_t, const CallOptions&) {
+  refuse("recv");
 }
 
 // --- torch.distributed's entry points -----------------------------------------
@@ -47,66 +76,82 @@ RedOp Engine::redOp(const c10d::ReduceOp& op, const char* call) const {
   return *ours;
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::allreduce(std::vector<at::Tensor>& tensors,
-                                                 const c10d::AllreduceOptions& opts) {
-  return allReduce(single(tensors, "allreduce", "input"), redOp(opts.reduceOp, "allreduce"),
-                   opts.asyncOp);
+namespace {
+
+CallOptions callOf(bool asyncOp, std::chrono::milliseconds timeout) {
+  return CallOptions{asyncOp, timeout};
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::broadcast(std::vector<at::Tensor>& tensors,
-                                                 const c10d::BroadcastOptions& opts) {
+} // namespace
+
+WorkPtr Engine::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  return allReduce(single(tensors, "allreduce", "input"), redOp(opts.reduceOp, "allreduce"),
+                   callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                    const c10d::AllreduceCoalescedOptions& opts) {
+  return allReduceCoalesced(tensors, redOp(opts.reduceOp, "allreduce_coalesced"),
+                            callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
   PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": broadcast: rootTensor ",
                     opts.rootTensor, " given; the pyddp backend takes one tensor per process");
   return broadcastFrom(single(tensors, "broadcast", "input"), static_cast<int>(opts.rootRank),
-                       opts.asyncOp);
+                       callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::reduce(std::vector<at::Tensor>& tensors,
-                                              const c10d::ReduceOptions& opts) {
+WorkPtr Engine::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   PYDDP_CHECK_VALUE(opts.rootTensor == 0, "rank ", rank_, ": reduce: rootTensor ",
                     opts.rootTensor, " given; the pyddp backend takes one tensor per process");
   return reduceTo(single(tensors, "reduce", "input"), redOp(opts.reduceOp, "reduce"),
-                  static_cast<int>(opts.rootRank), opts.asyncOp);
+                  static_cast<int>(opts.rootRank), callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                 std::vector<at::Tensor>& inputs,
-                                                 const c10d::AllgatherOptions& opts) {
+WorkPtr Engine::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                          std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   PYDDP_CHECK_VALUE(outputs.size() == 1, "rank ", rank_, ": allgather: got ", outputs.size(),
                     " output lists; the pyddp backend takes one per process");
-  return allGatherList(outputs[0], single(inputs, "allgather", "input"), opts.asyncOp);
+  return allGatherList(outputs[0], single(inputs, "allgather", "input"),
+                       callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                       const c10d::AllgatherOptions& opts) {
-  return allGatherSingle(output, input, opts.asyncOp);
+WorkPtr Engine::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                const c10d::AllgatherOptions& opts) {
+  return allGatherSingle(output, input, callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                              std::vector<at::Tensor>& inputs,
-                                              const c10d::GatherOptions& opts) {
+WorkPtr Engine::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                std::vector<at::Tensor>& inputs,
+                                                const c10d::AllgatherOptions& opts) {
+  return allGatherCoalesced(outputs, inputs, callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                       std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   // torch passes one (possibly empty) output list per process.
   PYDDP_CHECK_VALUE(outputs.size() <= 1, "rank ", rank_, ": gather: got ", outputs.size(),
                     " output lists; the pyddp backend takes one per process");
   static const std::vector<at::Tensor> none;
   return gatherTo(outputs.empty() ? none : outputs[0], single(inputs, "gather", "input"),
-                  static_cast<int>(opts.rootRank), opts.asyncOp);
+                  static_cast<int>(opts.rootRank), callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::scatter(std::vector<at::Tensor>& outputs,
-                                               std::vector<std::vector<at::Tensor>>& inputs,
-                                               const c10d::ScatterOptions& opts) {
+WorkPtr Engine::scatter(std::vector<at::Tensor>& outputs,
+                        std::vector<std::vector<at::Tensor>>& inputs,
+                        const c10d::ScatterOptions& opts) {
   // torch passes one (possibly empty) input list per process.
   PYDDP_CHECK_VALUE(inputs.size() <= 1, "rank ", rank_, ": scatter: got ", inputs.size(),
                     " input lists; the pyddp backend takes one per process");
   static const std::vector<at::Tensor> none;
   return scatterFrom(single(outputs, "scatter", "output"), inputs.empty() ? none : inputs[0],
-                     static_cast<int>(opts.rootRank), opts.asyncOp);
+                     static_cast<int>(opts.rootRank), callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::reduce_scatter(
-    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+WorkPtr Engine::reduce_scatter(std::vector<at::Tensor>& outputs,
+                               std::vector<std::vector<at::Tensor>>& inputs,
+                               const c10d::ReduceScatterOptions& opts) {
   PYDDP_CHECK_VALUE(inputs.size() == 1, "rank ", rank_, ": reduce_scatter: got ",
                     inputs.size(), " input lists; the pyddp backend takes one per process");
   const at::Tensor& output = single(outputs, "reduce_scatter", "output");
@@ -127,17 +172,54 @@ c10::intrusive_ptr<c10d::Work> Engine::reduce_scatter(
   // The list becomes one world-sized tensor, read when the call is made (as
   // the single-tensor form reads its input).
   return reduceScatterSingle(output, at::cat(flat), redOp(opts.reduceOp, "reduce_scatter"),
-                             opts.asyncOp);
+                             callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::_reduce_scatter_base(
-    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+WorkPtr Engine::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                     const c10d::ReduceScatterOptions& opts) {
   return reduceScatterSingle(output, input, redOp(opts.reduceOp, "reduce_scatter_tensor"),
-                             opts.asyncOp);
+                             callOf(opts.asyncOp, opts.timeout));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::barrier(const c10d::BarrierOptions& opts) {
-  return barrierAll(opts.asyncOp);
+WorkPtr Engine::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                std::vector<at::Tensor>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterCoalesced(outputs, inputs,
+                                redOp(opts.reduceOp, "reduce_scatter_tensor_coalesced"),
+                                callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::alltoall_base(at::Tensor& output, at::Tensor& input,
+                              std::vector<int64_t>& outputSplits,
+                              std::vector<int64_t>& inputSplits,
+                              const c10d::AllToAllOptions& opts) {
+  return allToAllSingle(output, input, outputSplits, inputSplits,
+                        callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                         const c10d::AllToAllOptions& opts) {
+  return allToAllList(outputs, inputs, callOf(opts.asyncOp, opts.timeout));
+}
+
+// c10d's send and recv are asynchronous: torch waits on the Work.
+WorkPtr Engine::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return sendTo(single(tensors, "send", "input"), dstRank, tag, callOf(true, c10d::kUnsetTimeout));
+}
+
+WorkPtr Engine::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return recvFrom(single(tensors, "recv", "output"), srcRank, tag,
+                  callOf(true, c10d::kUnsetTimeout));
+}
+
+WorkPtr Engine::recvAnysource(std::vector<at::Tensor>&, int) {
+  C10_THROW_ERROR(ValueError, c10::str("pyddp: rank ", rank_, ": recv without a source rank "
+                                       "(src=None) is not supported by pyddp: name the rank "
+                                       "the message comes from"));
+}
+
+WorkPtr Engine::barrier(const c10d::BarrierOptions& opts) {
+  return barrierAll(callOf(opts.asyncOp, opts.timeout));
 }
 
 } // namespace pyddp

@@ -1,23 +1,36 @@
 // Engine: what runs one process group's collectives for the tensors of one
 // device. It is a c10d::Backend, so torch.distributed can use it, with
 // pyddp's own entry points, which the Python ProcessGroup calls. torch's
-// entry points (allreduce, _allgather_base, ...) are mapped onto pyddp's
-// here, once for every engine. RingEngine (pyddp's algorithms over a
-// transport) and NcclEngine (NCCL's own collectives) implement it; the
-// engine registry (engine_registry.h) makes them.
+// entry points (allreduce, _allgather_base, alltoall_base, send, ...) are
+// mapped onto pyddp's here, once for every engine; the others refuse
+// (RefusingBackend), naming the user's call. RingEngine (pyddp's
+// algorithms over a transport) and NcclEngine (NCCL's own collectives)
+// implement it; the engine registry (engine_registry.h) makes them.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
+#include <chrono>
 #include <string>
 #include <vector>
 
 #include "backend/arg_checks.h"
+#include "backend/executor.h"
+#include "backend/refusing_backend.h"
 #include "common/types.h"
 
 namespace pyddp {
 
-class Engine : public c10d::Backend {
+// What every entry point takes besides its tensors, as c10d's options do.
+struct CallOptions {
+  // Return the Work at once; else once done (on a CUDA device: once the
+  // caller's current stream waits for it).
+  bool asyncOp = false;
+  // Bounds this call's waits; c10d::kUnsetTimeout: the group's timeout.
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
+};
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+class Engine : public RefusingBackend {
  public:
   // `transport` names what moves the bytes ("shm", "cuda_ipc", "nccl"),
   // for users and messages.
@@ -26,71 +39,112 @@ class Engine : public c10d::Backend {
   c10::Device device() const { return device_; }
   const std::string& transport() const { return transport_; }
 
-  // pyddp's entry points: one collective each; the Work returns at once
-  // when asyncOp, else once done (on a CUDA device: once the caller's
-  // current stream waits for it).
-  virtual c10::intrusive_ptr<c10d::Work> allReduce(const at::Tensor& tensor, RedOp op,
-                                                   bool asyncOp) = 0;
-  virtual c10::intrusive_ptr<c10d::Work> allGatherSingle(const at::Tensor& output,
-                                                         const at::Tensor& input,
-                                                         bool asyncOp) = 0;
-  virtual c10::intrusive_ptr<c10d::Work> allGatherList(const std::vector<at::Tensor>& outputs,
-                                                       const at::Tensor& input,
-                                                       bool asyncOp) = 0;
-  virtual c10::intrusive_ptr<c10d::Work> broadcastFrom(const at::Tensor& tensor, int src,
-                                                       bool asyncOp) = 0;
-  virtual c10::intrusive_ptr<c10d::Work> reduceScatterSingle(const at::Tensor& output,
-                                                             const at::Tensor& input, RedOp op,
-                                                             bool asyncOp) = 0;
-  virtual c10::intrusive_ptr<c10d::Work> barrierAll(bool asyncOp) = 0;
-  // Rooted collectives; an engine that lacks one refuses it (TypeError).
-  // reduceTo: `tensor` of rank `root` = the reduction; other ranks' tensors
-  // are left as they were. gatherTo: `outputs` (root only; empty elsewhere)
-  // = every rank's input. scatterFrom: output = block rank of `inputs`
-  // (root only; empty elsewhere).
-  virtual c10::intrusive_ptr<c10d::Work> reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                                                  bool asyncOp);
-  virtual c10::intrusive_ptr<c10d::Work> gatherTo(const std::vector<at::Tensor>& outputs,
-                                                  const at::Tensor& input, int root,
-                                                  bool asyncOp);
-  virtual c10::intrusive_ptr<c10d::Work> scatterFrom(const at::Tensor& output,
-                                                     const std::vector<at::Tensor>& inputs,
-                                                     int root, bool asyncOp);
+  // pyddp's entry points. Every rank calls the collectives in the same
+  // order; an engine that lacks one refuses it (TypeError) before anything
+  // is queued, naming the call.
+  virtual WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) = 0;
+  virtual WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
+                                  const CallOptions& call) = 0;
+  virtual WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                                const CallOptions& call) = 0;
+  virtual WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) = 0;
+  virtual WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input,
+                                      RedOp op, const CallOptions& call) = 0;
+  virtual WorkPtr barrierAll(const CallOptions& call) = 0;
+  // `tensor` of rank `root` = the reduction; other ranks' tensors are left
+  // as they were.
+  virtual WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                           const CallOptions& call);
+  // `outputs` (root only; empty elsewhere) = every rank's input.
+  virtual WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                           int root, const CallOptions& call);
+  // `output` = inputs[rank] of rank `root` (which alone passes inputs).
+  virtual WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs,
+                              int root, const CallOptions& call);
+  // Block k of `input` goes to rank k; block k of `output` comes from rank
+  // k. Blocks are outputSplits[k] / inputSplits[k] rows (dim 0), or equal
+  // when the splits are empty. Rank r's outputSplits[k] must equal rank k's
+  // inputSplits[r].
+  virtual WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                                 const std::vector<int64_t>& outputSplits,
+                                 const std::vector<int64_t>& inputSplits,
+                                 const CallOptions& call);
+  // outputs[k] comes from rank k's inputs[rank].
+  virtual WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
+                               const std::vector<at::Tensor>& inputs, const CallOptions& call);
+  // One collective over the concatenation of the tensors (one dtype).
+  virtual WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
+                                     const CallOptions& call);
+  // outputs[i] = every rank's inputs[i], in rank order.
+  virtual WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                     const std::vector<at::Tensor>& inputs,
+                                     const CallOptions& call);
+  // outputs[i] = block rank of inputs[i] reduced over the ranks.
+  virtual WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
+                                         const std::vector<at::Tensor>& inputs, RedOp op,
+                                         const CallOptions& call);
+  // Point-to-point, outside the order of collectives: messages between two
+  // ranks with the same tag are received in the order they were sent.
+  virtual WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
+                         const CallOptions& call);
+  virtual WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
+                           const CallOptions& call);
 
   // Fails what is still pending and releases the engine's resources.
   // Idempotent; safe from a future callback.
   void shutdown() override = 0;
 
   // torch.distributed's entry points: one tensor (list) per process, mapped
-  // onto the calls above. Operations not overridden here fail with c10d's
-  // "Backend <name> does not support <op>".
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
-                                        const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                        std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
-                                         std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // onto the calls above, with c10d's per-call timeout. Operations not
+  // overridden here are refused by RefusingBackend.
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors,
+                    const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                              const c10d::AllreduceCoalescedOptions& opts) override;
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors,
+                    const c10d::BroadcastOptions& opts) override;
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override;
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts) override;
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input,
+                          const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllgatherOptions& opts) override;
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs,
+                         std::vector<std::vector<at::Tensor>>& inputs,
+                         const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                               const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input,
+                        std::vector<int64_t>& outputSplits, std::vector<int64_t>& inputSplits,
+                        const c10d::AllToAllOptions& opts) override;
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const c10d::AllToAllOptions& opts) override;
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override;
+
+  // c10d's sequence number, which torch's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares across ranks before each
+  // collective it forwards. As ProcessGroupGloo's, it starts at 0 (set is a
+  // no-op) and counts the collectives issued to this engine
+  // (Executor::issued), so ranks that made the same calls agree however
+  // far each one's queue has run.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return executor().issued(); }
 
  protected:
-  // Refuses a call this engine lacks, naming it.
-  [[noreturn]] void refuse(const char* call) const;
+  // The executor that numbers this engine's collectives.
+  virtual const Executor& executor() const = 0;
 
   const c10::Device device_;
   const std::string transport_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "backend/layout.h"
 #include "backend/ring_engine.h"
 #include "common/check.h"
 #include "transport/factory.h"
@@ -15,7 +16,7 @@
 namespace pyddp {
 namespace {
 
-enum class EngineKind { Ring, Nccl };
+enum class EngineKind { Ring, Nccl, Hierarchical };
 
 struct Candidate {
   const char* backend;  // the user's name that selects it
@@ -24,12 +25,15 @@ struct Candidate {
   const char* transport;
 };
 
-// Candidates in order of preference. "auto" on a CUDA device: GPU memory
-// mapped between processes when every rank reaches every peer's memory
-// (one host, peer access proven at connect), else NCCL.
+// Candidates in order of preference. "auto" on the CPU: shared memory when
+// every rank is on one host, else shm inside each host and gloo between
+// hosts. "auto" on a CUDA device: GPU memory mapped between processes when
+// every rank reaches every peer's memory (one host, peer access proven at
+// connect), else NCCL.
 constexpr Candidate kCandidates[] = {
     {"shm", c10::kCPU, EngineKind::Ring, "shm"},
     {"auto", c10::kCPU, EngineKind::Ring, "shm"},
+    {"auto", c10::kCPU, EngineKind::Hierarchical, "shm+gloo"},
     {"cuda_ipc", c10::kCUDA, EngineKind::Ring, "cuda_ipc"},
     {"nccl", c10::kCUDA, EngineKind::Nccl, "nccl"},
     {"nccl_ring", c10::kCUDA, EngineKind::Ring, "nccl"},
@@ -38,20 +42,42 @@ constexpr Candidate kCandidates[] = {
 };
 
 bool served(const Candidate& c) {
+  if (c.engine == EngineKind::Hierarchical) return true;  // shm and torch's gloo
   const auto names = transportNames();
   return std::find(names.begin(), names.end(), c.transport) != names.end();
 }
 
 std::string describe(const Candidate& c) {
-  return std::string(c.engine == EngineKind::Nccl ? "NCCL's collectives" : "pyddp's ring") +
-      " over " + c.transport;
+  switch (c.engine) {
+    case EngineKind::Nccl: return "NCCL's collectives";
+    case EngineKind::Hierarchical: return "shm inside each host and gloo between hosts";
+    case EngineKind::Ring: break;
+  }
+  return std::string("pyddp's ring over ") + c.transport;
+}
+
+// Why a CPU candidate cannot serve ranks on `hosts`; "" when it can.
+std::string whyNotHere(const Candidate& c, const HostMap& hosts, const CrossHostFactory& gloo) {
+  if (c.engine == EngineKind::Hierarchical) {
+    if (hosts.hosts() == 1) return "every rank runs on one host";
+    if (!gloo) return "no engine between hosts was given";
+    return "";
+  }
+  if (hosts.hosts() > 1) {
+    return "the ranks span " + hosts.describe() + ", and shared memory serves one host";
+  }
+  return "";
 }
 
 c10::intrusive_ptr<Engine> make(const Candidate& c,
                                 const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                int size, const RingOptions& options, c10::Device device) {
+                                int size, const RingOptions& options, c10::Device device,
+                                const HostMap& hosts, const CrossHostFactory& gloo) {
   if (c.engine == EngineKind::Ring) {
     return c10::make_intrusive<RingEngine>(store, rank, size, options, device, c.transport);
+  }
+  if (c.engine == EngineKind::Hierarchical) {
+    return c10::make_intrusive<HierarchicalEngine>(store, rank, size, options, hosts, gloo);
   }
 #ifdef PYDDP_WITH_CUDA
   return c10::make_intrusive<NcclEngine>(store, rank, size,
@@ -87,7 +113,11 @@ std::vector<std::string> deviceTypesOf(const std::string& backend) {
 
 EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                         const RingOptions& options, c10::Device device,
-                        const std::string& backend) {
+                        const std::string& backend, const CrossHostFactory& gloo) {
+  // Checked before the first store wait, which would wait for a rank that never comes.
+  options.validate();
+  PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
+                    " is not in [0, world_size=", size, ")");
   const auto names = backendNames();
   PYDDP_CHECK_VALUE(std::find(names.begin(), names.end(), backend) != names.end(), "rank ",
                     rank, ": backend '", backend, "' is not available; this build has ",
@@ -105,11 +135,24 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                    c10::Join(" and ", deviceTypesOf(backend)), " tensors, not ", device.type());
   EngineChoice choice;
   const TransportArgs args{rank, size, options, device.is_cpu() ? -1 : device.index(), nullptr};
+  // Where the ranks run decides among the CPU candidates.
+  HostMap hosts;
+  if (device.is_cpu()) {
+    hosts = exchangeHosts(*store, rank, size, std::chrono::milliseconds(options.timeoutMs));
+    choice.layout = hosts.describe();
+  }
   for (const Candidate* c : candidates) {
     const bool last = c == candidates.back();
-    const std::string why = whyNotTransport(c->transport, args);
+    std::string why = device.is_cpu() ? whyNotHere(*c, hosts, gloo) : "";
+    if (why.empty() && c->engine != EngineKind::Hierarchical) {
+      why = whyNotTransport(c->transport, args);
+    }
     if (!why.empty()) {
-      PYDDP_CHECK_VALUE(!last, "rank ", rank, ": backend '", backend, "': ", why);
+      PYDDP_CHECK_VALUE(!last, "rank ", rank, ": backend '", backend, "': ", why,
+                        backend == "shm" && hosts.hosts() > 1
+                            ? ": use the backend 'auto', which runs shm inside each host and "
+                              "gloo between hosts"
+                            : "");
       choice.refusals.push_back(describe(*c) + ": " + why);
       continue;
     }
@@ -117,7 +160,10 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
         std::string(c->engine == EngineKind::Nccl ? "nccl" : "ring") + "-" + c->transport,
         store);
     try {
-      choice.engine = make(*c, prefixed, rank, size, options, device);
+      choice.engine = make(*c, prefixed, rank, size, options, device, hosts, gloo);
+      if (c->engine == EngineKind::Hierarchical) {
+        choice.layout = static_cast<HierarchicalEngine&>(*choice.engine).describeLayout();
+      }
       return choice;
     } catch (const c10::DistBackendError& e) {
       // A refusal at connect, which bootstrap made every rank see alike.

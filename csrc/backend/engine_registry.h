@@ -2,8 +2,9 @@
 // user's backend name ("shm", "cuda_ipc", "nccl", "nccl_ring", "auto")
 // selects an ordered list of candidates for the device type, a table in
 // engine_registry.cpp; the first candidate that every rank can connect
-// wins. Every rank sees the same refusals (bootstrap exchanges them), so
-// all ranks choose alike.
+// wins. For the CPU the candidates see the host map (backend/layout.h):
+// shm serves one host, the hierarchical engine several. Every rank sees
+// the same refusals (bootstrap exchanges them), so all ranks choose alike.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "backend/engine.h"
+#include "backend/hierarchical_engine.h"
 #include "common/config.h"
 
 namespace pyddp {
@@ -20,6 +22,8 @@ struct EngineChoice {
   c10::intrusive_ptr<Engine> engine;
   // One line per candidate passed over: "<engine> over <transport>: why".
   std::vector<std::string> refusals;
+  // Where the ranks run and how the engine composes (for the log).
+  std::string layout;
 };
 
 // The backend names this build serves, in the order users are told them.
@@ -30,8 +34,10 @@ std::vector<std::string> deviceTypesOf(const std::string& backend);
 // Makes the engine of `backend` for `device` (the CPU, or cuda:N), trying
 // its candidates in order; blocks until every rank has connected (bounded
 // by options.timeoutMs). Each candidate meets on its own prefix of `store`.
+// `gloo` makes the groups between hosts; without it, CPU groups serve one
+// host.
 EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                         const RingOptions& options, c10::Device device,
-                        const std::string& backend);
+                        const std::string& backend, const CrossHostFactory& gloo = nullptr);
 
 } // namespace pyddp

@@ -13,6 +13,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -33,6 +36,8 @@ struct Collective {
   std::function<void()> finish;
   // wait() blocks the host until done (a barrier), also on a device.
   bool hostBlocking = false;
+  // Bounds the collective's waits; zero or less: the engine's timeout.
+  std::chrono::milliseconds timeout{0};
 };
 
 class Executor {
@@ -43,6 +48,15 @@ class Executor {
   // Fails queued collectives and ends a running one within milliseconds.
   // Idempotent.
   virtual void shutdown() = 0;
+
+  // How many collectives submit() has accepted. Counted when a collective
+  // is issued, not when it runs, so every rank that made the same calls
+  // has the same count, whatever its queue holds: c10d's sequence number
+  // (Engine::getSequenceNumberForGroup).
+  uint64_t issued() const { return issued_.load(std::memory_order_relaxed); }
+
+ protected:
+  std::atomic<uint64_t> issued_{0};
 };
 
 } // namespace pyddp

@@ -34,31 +34,63 @@ class NcclEngine final : public Engine {
   const std::string getBackendName() const override { return "pyddp-nccl"; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  c10::intrusive_ptr<c10d::Work> allReduce(const at::Tensor& tensor, RedOp op,
-                                           bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> allGatherSingle(const at::Tensor& output,
-                                                 const at::Tensor& input, bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> allGatherList(const std::vector<at::Tensor>& outputs,
-                                               const at::Tensor& input, bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> broadcastFrom(const at::Tensor& tensor, int src,
-                                               bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> reduceScatterSingle(const at::Tensor& output,
-                                                     const at::Tensor& input, RedOp op,
-                                                     bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> barrierAll(bool asyncOp) override;
+  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
+  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
+                          const CallOptions& call) override;
+  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                        const CallOptions& call) override;
+  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
+  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                              const CallOptions& call) override;
+  WorkPtr barrierAll(const CallOptions& call) override;
+  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                   const CallOptions& call) override;
+  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
+                   const CallOptions& call) override;
+  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+                      const CallOptions& call) override;
+  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                         const std::vector<int64_t>& outputSplits,
+                         const std::vector<int64_t>& inputSplits,
+                         const CallOptions& call) override;
+  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
+                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
+  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
+                             const CallOptions& call) override;
+  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs,
+                             const CallOptions& call) override;
+  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
+                                 const std::vector<at::Tensor>& inputs, RedOp op,
+                                 const CallOptions& call) override;
+  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
+                 const CallOptions& call) override;
+  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
+                   const CallOptions& call) override;
 
   // Fails the collectives still running and ends the communicator
   // (gracefully when idle, else aborting it). Idempotent; the destructor
   // calls it.
   void shutdown() override;
 
+ protected:
+  const Executor& executor() const override { return *executor_; }
+
  private:
   // Enqueues the collective's NCCL calls on `stream`; every host wait is
   // bounded by deadline.
   using Enqueue = std::function<void(cudaStream_t stream, Clock::time_point deadline)>;
-  c10::intrusive_ptr<c10d::Work> launch(CollectiveKind kind, std::vector<at::Tensor> inputs,
-                                        std::vector<at::Tensor> outputs, bool asyncOp,
-                                        Enqueue enqueue);
+  WorkPtr launch(CollectiveKind kind, std::vector<at::Tensor> inputs,
+                 std::vector<at::Tensor> outputs, const CallOptions& call, Enqueue enqueue);
+  // NCCL calls in one group (ncclGroupStart/End), so they progress together.
+  void group(const char* what, const std::function<ncclResult_t(ncclComm_t)>& calls,
+             Clock::time_point deadline);
+  // One grouped send and receive per peer: block k of `in` to rank k, block
+  // k of `out` from rank k (this rank's own block included).
+  void exchange(const char* what, DataType dtype, const at::Tensor& in,
+                const ArgChecks::Blocks& sends, const at::Tensor& out,
+                const ArgChecks::Blocks& recvs, cudaStream_t stream,
+                Clock::time_point deadline);
 
   const std::chrono::milliseconds timeout_;
   // Destroyed in reverse order: the executor (whose monitor uses the

@@ -1,7 +1,9 @@
 #include "backend/ring_engine.h"
 
 #include "backend/bootstrap.h"
+#include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
+#include "backend/p2p_executor.h"
 #include "common/check.h"
 #include "transport/factory.h"
 
@@ -26,6 +28,12 @@ void copyBack(const at::Tensor& original, const at::Tensor& computed) {
 std::vector<at::Tensor> withInput(std::vector<at::Tensor> tensors, const at::Tensor& input) {
   tensors.push_back(input);
   return tensors;
+}
+
+std::vector<at::Tensor> denseAll(const std::vector<at::Tensor>& list) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : list) out.push_back(dense(t));
+  return out;
 }
 
 CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
@@ -67,12 +75,14 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   const int deviceIndex = device.is_cpu() ? -1 : device.index();
   transport_ = makeTransport(transport, TransportArgs{rank, size, options_, deviceIndex, stream});
   bootstrap::connect(*transport_, *store, rank, size, Ms(options_.timeoutMs));
+  link_ = transport_->messages(std::make_shared<bootstrap::StoreDirectory>(store));
+  if (link_) p2p_ = std::make_unique<P2pExecutor>(rank, *link_);
   startExecutor();
 }
 
 void RingEngine::startExecutor() {
   if (cpuExec_) {
-    cpuExec_->start(*transport_);
+    cpuExec_->start(CpuExecutor::hooksOf(*transport_));
     return;
   }
 #ifdef PYDDP_WITH_CUDA
@@ -88,11 +98,16 @@ void RingEngine::startExecutor() {
 #endif
 }
 
+void RingEngine::abandon(const std::string& why) {
+  transport_->abandon(why);
+}
+
 RingEngine::~RingEngine() {
   shutdown();
 }
 
 void RingEngine::shutdown() {
+  if (p2p_) p2p_->shutdown(c10::str("rank ", rank_, ": the process group was destroyed"));
 #ifdef PYDDP_WITH_CUDA
   if (deviceExec_ && transport_ && transport_->peerMemory()) {
     // Peers read this rank's device memory: collectives already queued
@@ -113,49 +128,55 @@ void RingEngine::shutdown() {
   if (transport_) transport_->abort();
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::submit(CollectiveDesc desc,
-                                                  std::vector<at::Tensor> outputs,
-                                                  std::vector<at::Tensor> uses, Transfer transfer,
-                                                  std::function<void()> finish, bool asyncOp) {
+WorkPtr RingEngine::submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+                           std::vector<at::Tensor> uses, Transfer transfer,
+                           std::function<void()> finish, const CallOptions& call) {
   return executor_->submit(
       Collective{desc, std::move(outputs), std::move(uses),
                  [this, transfer = std::move(transfer)](const CollectiveDesc& d,
                                                         Clock::time_point deadline) {
                    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
                  },
-                 std::move(finish), desc.kind == CollectiveKind::Barrier},
-      asyncOp);
+                 std::move(finish), desc.kind == CollectiveKind::Barrier, call.timeout},
+      call.asyncOp);
 }
 
 kernels::ReduceSpec RingEngine::spec(DataType dtype, RedOp op) const {
   return kernels::ReduceSpec{dtype, op, size_};
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::allReduce(const at::Tensor& tensor,
-                                                     RedOp op, bool asyncOp) {
-  return reduceTo(tensor, op, -1, asyncOp);
+MessageLink& RingEngine::messages(const char* call) const {
+  PYDDP_CHECK_TYPE(link_ != nullptr, "rank ", rank_, ": ", call, " moves messages between "
+                   "pairs of ranks, which pyddp's ", transport_->name(), " transport does not "
+                   "have (CUDA tensors: use the backend \"nccl\")");
+  return *link_;
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::reduceTo(const at::Tensor& tensor, RedOp op,
-                                                    int root, bool asyncOp) {
-  const char* call = root < 0 ? "all_reduce" : "reduce";
-  const DataType dtype = checks_.tensor(tensor, call, "tensor");
-  checks_.writable(tensor, call, "tensor");
-  checks_.op(op, dtype, call);
-  if (root >= 0) checks_.root(root, call, "dst");
-  const size_t count = tensor.numel();
-  const size_t bytes = count * elementSize(dtype);
+std::chrono::milliseconds RingEngine::timeoutOf(const CallOptions& call) const {
+  return call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
+}
+
+Algo RingEngine::allReduceAlgo(size_t bytes) const {
   // Transports without mapped peer memory (NCCL) run every size on the ring.
-  const Algo algo = transport_->peerMemory() ? options_.allReduceAlgo(bytes) : Algo::Ring;
-  const auto s = spec(dtype, op);
-  // A reduce is an all-reduce whose result only the root keeps: the other
-  // ranks compute into a copy and leave their tensor as it was.
-  const bool keep = root < 0 || root == rank_;
-  at::Tensor buf = keep ? dense(tensor) : tensor.contiguous().clone();
+  return transport_->peerMemory() ? options_.allReduceAlgo(bytes) : Algo::Ring;
+}
+
+WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) {
+  const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
+  checks_.writable(tensor, "all_reduce", "tensor");
+  checks_.op(op, dtype, "all_reduce");
+  const at::Tensor buf = dense(tensor);
+  return allReduceFlat(buf, spec(dtype, op), {tensor}, [=] { copyBack(tensor, buf); }, call);
+}
+
+WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSpec& s,
+                                  std::vector<at::Tensor> outputs, std::function<void()> finish,
+                                  const CallOptions& call) {
+  const size_t count = buf.numel();
+  const Algo algo = allReduceAlgo(count * elementSize(s.dtype));
   return submit(
-      makeDesc(root < 0 ? CollectiveKind::AllReduce : CollectiveKind::Reduce, count, dtype,
-               op, root, algo),
-      {tensor}, {buf},
+      makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1, algo), std::move(outputs),
+      {buf},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
         switch (algo) {
@@ -169,22 +190,60 @@ c10::intrusive_ptr<c10d::Work> RingEngine::reduceTo(const at::Tensor& tensor, Re
             algorithms::ringAllReduce(c, s, data, data, count);
         }
       },
-      [=] {
-        if (keep) copyBack(tensor, buf);
-      },
-      asyncOp);
+      std::move(finish), call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::allGatherSingle(const at::Tensor& output,
-                                                           const at::Tensor& input,
-                                                           bool asyncOp) {
+WorkPtr RingEngine::reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                             const CallOptions& call) {
+  const DataType dtype = checks_.tensor(tensor, "reduce", "tensor");
+  checks_.writable(tensor, "reduce", "tensor");
+  checks_.op(op, dtype, "reduce");
+  checks_.root(root, "reduce", "dst");
+  const size_t count = tensor.numel();
+  const auto s = spec(dtype, op);
+  // Only the root keeps the result: the other ranks compute into a copy
+  // and leave their tensor as it was.
+  const bool keep = root == rank_;
+  const at::Tensor in = dense(tensor);
+  const at::Tensor out = keep ? in : at::empty_like(in);
+  PeerMemory* mem = transport_->peerMemory();
+  const Algo algo = allReduceAlgo(count * elementSize(dtype)) == Algo::Direct && mem
+      ? Algo::Direct
+      : Algo::Ring;
+  return submit(
+      makeDesc(CollectiveKind::Reduce, count, dtype, op, root, algo), {tensor}, {in, out},
+      [=, this](const algorithms::Call& c) {
+        if (algo == Algo::Direct) {
+          algorithms::directReduce(c, *mem, s, in.data_ptr(), out.data_ptr(), count, root);
+        } else if (link_) {
+          algorithms::ringReduce(c, *link_, s, in.data_ptr(), out.data_ptr(), count, root);
+        } else {
+          // Without messages, a reduce is an all-reduce only the root keeps.
+          if (!keep) out.copy_(in);
+          algorithms::ringAllReduce(c, s, out.data_ptr(), out.data_ptr(), count);
+        }
+      },
+      [=] {
+        if (keep) copyBack(tensor, out);
+      },
+      call);
+}
+
+WorkPtr RingEngine::allGatherSingle(const at::Tensor& output, const at::Tensor& input,
+                                    const CallOptions& call) {
   const DataType dtype = checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
   const size_t count = input.numel();
   const at::Tensor in = dense(input);
-  at::Tensor out = dense(output);
+  const at::Tensor out = dense(output);
+  return allGatherFlat(in, out, dtype, count, {output}, [=] { copyBack(output, out); }, call);
+}
+
+WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, DataType dtype,
+                                  size_t count, std::vector<at::Tensor> outputs,
+                                  std::function<void()> finish, const CallOptions& call) {
   const size_t es = elementSize(dtype);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), {output}, {in, out},
+      makeDesc(CollectiveKind::AllGather, count, dtype), std::move(outputs), {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -192,91 +251,101 @@ c10::intrusive_ptr<c10d::Work> RingEngine::allGatherSingle(const at::Tensor& out
         }
         algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
       },
-      [=] { copyBack(output, out); }, asyncOp);
+      std::move(finish), call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::allGatherList(
-    const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool asyncOp) {
-  return gatherTo(outputs, input, -1, asyncOp);
-}
-
-c10::intrusive_ptr<c10d::Work> RingEngine::gatherTo(const std::vector<at::Tensor>& outputs,
-                                                    const at::Tensor& input, int root,
-                                                    bool asyncOp) {
-  const char* call = root < 0 ? "all_gather" : "gather";
-  // The output list's name in torch.distributed's signature.
-  const char* list = root < 0 ? "tensor_list" : "gather_list";
-  const std::string entry = std::string(list) + " entry";
-  const DataType dtype = checks_.tensor(input, call, "input");
-  if (root >= 0) checks_.root(root, call, "dst");
+WorkPtr RingEngine::allGatherList(const std::vector<at::Tensor>& outputs,
+                                  const at::Tensor& input, const CallOptions& call) {
+  const DataType dtype = checks_.tensor(input, "all_gather", "tensor");
+  checks_.blockList(outputs, input, "all_gather", "tensor_list");
+  const std::vector<at::Tensor> outs = denseAll(outputs);
   const size_t count = input.numel();
-  // A gather is an all-gather whose blocks only the root keeps: the other
-  // ranks pass no outputs and gather into scratch tensors.
-  const bool keep = root < 0 || root == rank_;
-  std::vector<at::Tensor> outs;
-  if (keep) {
-    PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "rank ", rank_, ": ", call,
-                      ": ", list, " has ", outputs.size(),
-                      " tensors, expected world_size = ", size_);
-    for (const auto& o : outputs) {
-      PYDDP_CHECK_TYPE(checks_.tensor(o, call, entry.c_str()) == dtype, "rank ", rank_, ": ", call,
-                       ": ", list, " entry dtype ", o.scalar_type(),
-                       " differs from input dtype ", input.scalar_type());
-      PYDDP_CHECK_VALUE(static_cast<size_t>(o.numel()) == count, "rank ", rank_, ": ", call,
-                        ": ", list, " entry has ", o.numel(), " elements, expected ", count,
-                        " (the input's)");
-      checks_.writable(o, call, entry.c_str());
-      outs.push_back(dense(o));
-    }
-  } else {
-    PYDDP_CHECK_VALUE(outputs.empty(), "rank ", rank_, ": gather: only the destination rank ",
-                      root, " passes a gather_list");
-    for (int b = 0; b < size_; ++b) outs.push_back(at::empty({input.numel()}, input.options()));
-  }
   const at::Tensor in = dense(input);
   return submit(
-      makeDesc(root < 0 ? CollectiveKind::AllGather : CollectiveKind::Gather, count, dtype,
-               RedOp::Sum, root),
-      outputs, withInput(outs, in),
+      makeDesc(CollectiveKind::AllGather, count, dtype), outputs, withInput(outs, in),
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
         algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
       },
       [=] {
+        for (size_t b = 0; b < outputs.size(); ++b) copyBack(outputs[b], outs[b]);
+      },
+      call);
+}
+
+WorkPtr RingEngine::gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                             int root, const CallOptions& call) {
+  const DataType dtype = checks_.tensor(input, "gather", "tensor");
+  checks_.root(root, "gather", "dst");
+  const size_t count = input.numel();
+  const bool keep = root == rank_;
+  std::vector<at::Tensor> outs;
+  if (keep) {
+    checks_.blockList(outputs, input, "gather", "gather_list");
+    outs = denseAll(outputs);
+  } else {
+    PYDDP_CHECK_VALUE(outputs.empty(), "rank ", rank_, ": gather: only the destination rank ",
+                      root, " passes a gather_list");
+    // Without messages every rank gathers, into scratch but for the root.
+    if (!link_) {
+      for (int b = 0; b < size_; ++b) outs.push_back(at::empty({input.numel()}, input.options()));
+    }
+  }
+  const at::Tensor in = dense(input);
+  return submit(
+      makeDesc(CollectiveKind::Gather, count, dtype, RedOp::Sum, root,
+               link_ ? Algo::Direct : Algo::Ring),
+      outputs, withInput(outs, in),
+      [=, this](const algorithms::Call& c) {
+        std::vector<void*> blocks;
+        for (const auto& o : outs) blocks.push_back(o.data_ptr());
+        if (link_) {
+          algorithms::directGather(c, *link_, dtype, in.data_ptr(), blocks, count, root);
+        } else {
+          algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
+        }
+      },
+      [=] {
         if (!keep) return;
         for (size_t b = 0; b < outputs.size(); ++b) copyBack(outputs[b], outs[b]);
       },
-      asyncOp);
+      call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::broadcastFrom(const at::Tensor& tensor,
-                                                         int src, bool asyncOp) {
+WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) {
   const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
   checks_.writable(tensor, "broadcast", "tensor");
   checks_.root(src, "broadcast", "src");
   const size_t count = tensor.numel();
-  at::Tensor buf = dense(tensor);
+  const at::Tensor buf = dense(tensor);
   return submit(
       makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor}, {buf},
       [=](const algorithms::Call& c) {
         algorithms::chainBroadcast(c, buf.data_ptr(), count * elementSize(dtype), src);
       },
-      [=] { copyBack(tensor, buf); }, asyncOp);
+      [=] { copyBack(tensor, buf); }, call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::reduceScatterSingle(
-    const at::Tensor& output, const at::Tensor& input, RedOp op, bool asyncOp) {
+WorkPtr RingEngine::reduceScatterSingle(const at::Tensor& output, const at::Tensor& input,
+                                        RedOp op, const CallOptions& call) {
   const DataType dtype =
       checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
   checks_.op(op, dtype, "reduce_scatter_single");
-  const size_t count = output.numel();
   const at::Tensor in = dense(input);
-  at::Tensor out = dense(output);
-  const auto s = spec(dtype, op);
-  const size_t es = elementSize(dtype);
+  const at::Tensor out = dense(output);
+  return reduceScatterFlat(in, out, spec(dtype, op), output.numel(), {output},
+                           [=] { copyBack(output, out); }, call);
+}
+
+WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& out,
+                                      const kernels::ReduceSpec& s, size_t count,
+                                      std::vector<at::Tensor> outputs,
+                                      std::function<void()> finish, const CallOptions& call) {
+  const size_t es = elementSize(s.dtype);
   return submit(
-      makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), {output}, {in, out},
+      makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op), std::move(outputs),
+      {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<const void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -284,45 +353,55 @@ c10::intrusive_ptr<c10d::Work> RingEngine::reduceScatterSingle(
         }
         algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
       },
-      [=] { copyBack(output, out); }, asyncOp);
+      std::move(finish), call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::barrierAll(bool asyncOp) {
+WorkPtr RingEngine::barrierAll(const CallOptions& call) {
   return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {}, {},
-                [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, asyncOp);
+                [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, call);
 }
 
-c10::intrusive_ptr<c10d::Work> RingEngine::scatterFrom(const at::Tensor& output,
-                                                       const std::vector<at::Tensor>& inputs,
-                                                       int root, bool asyncOp) {
-  const DataType dtype = checks_.tensor(output, "scatter", "output");
-  checks_.writable(output, "scatter", "output");
+WorkPtr RingEngine::scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs,
+                                int root, const CallOptions& call) {
+  const DataType dtype = checks_.tensor(output, "scatter", "tensor");
+  checks_.writable(output, "scatter", "tensor");
   checks_.root(root, "scatter", "src");
   const size_t count = output.numel();
-  // The root's list travels as one world-sized tensor down the broadcast
-  // chain and each rank keeps its block: (n-1) times the bytes a tree
-  // scatter moves, through the one transport verb set every rank has.
-  at::Tensor whole;
+  std::vector<at::Tensor> blocks;  // the root's, contiguous
   if (rank_ == root) {
     PYDDP_CHECK_VALUE(static_cast<int>(inputs.size()) == size_, "rank ", rank_,
                       ": scatter: the source passes one list of world_size = ", size_,
                       " tensors, got ", inputs.size());
-    std::vector<at::Tensor> flat;
     for (const auto& t : inputs) {
-      PYDDP_CHECK_TYPE(checks_.tensor(t, "scatter", "input") == dtype, "rank ", rank_,
-                       ": scatter: input dtype ", t.scalar_type(), " differs from output dtype ",
-                       output.scalar_type());
+      PYDDP_CHECK_TYPE(checks_.tensor(t, "scatter", "scatter_list entry") == dtype, "rank ",
+                       rank_, ": scatter: scatter_list entry dtype ", t.scalar_type(),
+                       " differs from the output's ", output.scalar_type());
       PYDDP_CHECK_VALUE(static_cast<size_t>(t.numel()) == count, "rank ", rank_,
-                        ": scatter: an input has ", t.numel(), " elements, expected ", count,
-                        " (the output's)");
-      flat.push_back(t.reshape({-1}));
+                        ": scatter: a scatter_list entry has ", t.numel(),
+                        " elements, expected ", count, " (the output's)");
+      blocks.push_back(t.contiguous());
     }
-    whole = at::cat(flat);
   } else {
     PYDDP_CHECK_VALUE(inputs.empty(), "rank ", rank_, ": scatter: only the source rank ",
-                      root, " passes inputs");
-    whole = at::empty({static_cast<int64_t>(count) * size_}, output.options());
+                      root, " passes a scatter_list");
   }
+  const at::Tensor out = dense(output);
+  if (link_) {
+    return submit(
+        makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root, Algo::Direct),
+        {output}, withInput(blocks, out),
+        [=, this](const algorithms::Call& c) {
+          std::vector<const void*> in;
+          for (const auto& b : blocks) in.push_back(b.data_ptr());
+          algorithms::directScatter(c, *link_, dtype, in, out.data_ptr(), count, root);
+        },
+        [=] { copyBack(output, out); }, call);
+  }
+  // Without messages the root's list travels as one world-sized tensor
+  // down the broadcast chain and each rank keeps its block.
+  const at::Tensor whole = rank_ == root
+      ? at::cat(blocks).reshape({-1})
+      : at::empty({static_cast<int64_t>(count) * size_}, output.options());
   const int64_t mine = static_cast<int64_t>(count) * rank_;
   return submit(
       makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root), {output}, {whole},
@@ -330,8 +409,148 @@ c10::intrusive_ptr<c10d::Work> RingEngine::scatterFrom(const at::Tensor& output,
         algorithms::chainBroadcast(c, whole.data_ptr(), whole.numel() * elementSize(dtype),
                                    root);
       },
-      [=] { output.copy_(whole.narrow(0, mine, count).view(output.sizes())); }, asyncOp);
+      [=] { output.copy_(whole.narrow(0, mine, count).view(output.sizes())); }, call);
+}
+
+WorkPtr RingEngine::allToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                                   const std::vector<int64_t>& outputSplits,
+                                   const std::vector<int64_t>& inputSplits,
+                                   const CallOptions& call) {
+  const char* name = "all_to_all_single";
+  MessageLink& link = messages(name);
+  const DataType dtype = checks_.tensor(input, name, "input");
+  PYDDP_CHECK_TYPE(checks_.tensor(output, name, "output") == dtype, "rank ", rank_, ": ", name,
+                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
+                   input.scalar_type());
+  checks_.writable(output, name, "output");
+  const int64_t row = checks_.rowElements(output, input, name);
+  const auto out = checks_.splits(output, outputSplits, row, name, "output");
+  const auto in = checks_.splits(input, inputSplits, row, name, "input");
+  const at::Tensor inBuf = dense(input);
+  const at::Tensor outBuf = dense(output);
+  return submit(
+      makeDesc(CollectiveKind::AllToAll, static_cast<size_t>(row), dtype, RedOp::Sum, -1,
+               Algo::Direct),
+      {output}, {inBuf, outBuf},
+      [=, &link](const algorithms::Call& c) {
+        algorithms::pairwiseAllToAll(c, link, dtype, inBuf.data_ptr(), in.counts, in.offsets,
+                                     outBuf.data_ptr(), out.counts, out.offsets);
+      },
+      [=] { copyBack(output, outBuf); }, call);
+}
+
+WorkPtr RingEngine::allToAllList(const std::vector<at::Tensor>& outputs,
+                                 const std::vector<at::Tensor>& inputs, const CallOptions& call) {
+  const char* name = "all_to_all";
+  MessageLink& link = messages(name);
+  PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ &&
+                        static_cast<int>(inputs.size()) == size_,
+                    "rank ", rank_, ": ", name, ": got ", outputs.size(), " outputs and ",
+                    inputs.size(), " inputs, expected world_size = ", size_, " of each");
+  const DataType dtype = checks_.tensor(inputs[0], name, "input");
+  ArgChecks::Blocks in, out;
+  std::vector<at::Tensor> flatIn;
+  size_t inAt = 0, outAt = 0;
+  for (int k = 0; k < size_; ++k) {
+    PYDDP_CHECK_TYPE(checks_.tensor(inputs[k], name, "input") == dtype &&
+                         checks_.tensor(outputs[k], name, "output") == dtype,
+                     "rank ", rank_, ": ", name, ": every input and output must have dtype ",
+                     inputs[0].scalar_type());
+    checks_.writable(outputs[k], name, "output");
+    in.counts.push_back(inputs[k].numel());
+    in.offsets.push_back(inAt);
+    inAt += inputs[k].numel();
+    out.counts.push_back(outputs[k].numel());
+    out.offsets.push_back(outAt);
+    outAt += outputs[k].numel();
+    flatIn.push_back(inputs[k].reshape({-1}));
+  }
+  const at::Tensor inBuf = at::cat(flatIn);
+  const at::Tensor outBuf = at::empty({static_cast<int64_t>(outAt)}, inBuf.options());
+  return submit(
+      makeDesc(CollectiveKind::AllToAll, 0, dtype, RedOp::Sum, -1, Algo::Direct), outputs,
+      {inBuf, outBuf},
+      [=, &link](const algorithms::Call& c) {
+        algorithms::pairwiseAllToAll(c, link, dtype, inBuf.data_ptr(), in.counts, in.offsets,
+                                     outBuf.data_ptr(), out.counts, out.offsets);
+      },
+      [=, this] {
+        for (int k = 0; k < size_; ++k) {
+          const auto block = outBuf.narrow(0, static_cast<int64_t>(out.offsets[k]),
+                                           static_cast<int64_t>(out.counts[k]));
+          outputs[k].copy_(block.view(outputs[k].sizes()));
+        }
+      },
+      call);
+}
+
+WorkPtr RingEngine::allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
+                                       const CallOptions& call) {
+  const DataType dtype = checks_.sameType(tensors, "all_reduce_coalesced", "tensor", true);
+  checks_.op(op, dtype, "all_reduce_coalesced");
+  const Packed p = packAllReduce(tensors);
+  return allReduceFlat(p.input, spec(dtype, op), tensors, p.unpack, call);
+}
+
+WorkPtr RingEngine::allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                                       const std::vector<at::Tensor>& inputs,
+                                       const CallOptions& call) {
+  const char* name = "all_gather_into_tensor_coalesced";
+  const DataType dtype = checks_.sameType(inputs, name, "input", false);
+  PYDDP_CHECK_TYPE(checks_.sameType(outputs, name, "output", true) == dtype, "rank ", rank_, ": ",
+                   name, ": outputs and inputs differ in dtype");
+  PYDDP_CHECK_VALUE(outputs.size() == inputs.size(), "rank ", rank_, ": ", name, ": ",
+                    outputs.size(), " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    PYDDP_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "rank ", rank_, ": ", name,
+                      ": output ", i, " has ", outputs[i].numel(), " elements, expected ",
+                      inputs[i].numel() * size_, " (world_size x input ", i, ")");
+  }
+  const Packed p = packAllGather(outputs, inputs, size_);
+  return allGatherFlat(p.input, p.output, dtype, p.input.numel(), outputs, p.unpack, call);
+}
+
+WorkPtr RingEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
+                                           const std::vector<at::Tensor>& inputs, RedOp op,
+                                           const CallOptions& call) {
+  const char* name = "reduce_scatter_tensor_coalesced";
+  const DataType dtype = checks_.sameType(inputs, name, "input", false);
+  PYDDP_CHECK_TYPE(checks_.sameType(outputs, name, "output", true) == dtype, "rank ", rank_, ": ",
+                   name, ": outputs and inputs differ in dtype");
+  checks_.op(op, dtype, name);
+  PYDDP_CHECK_VALUE(outputs.size() == inputs.size(), "rank ", rank_, ": ", name, ": ",
+                    outputs.size(), " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    PYDDP_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "rank ", rank_, ": ",
+                      name, ": input ", i, " has ", inputs[i].numel(), " elements, expected ",
+                      outputs[i].numel() * size_, " (world_size x output ", i, ")");
+  }
+  const Packed p = packReduceScatter(outputs, inputs, size_);
+  return reduceScatterFlat(p.input, p.output, spec(dtype, op), p.output.numel(), outputs,
+                           p.unpack, call);
+}
+
+WorkPtr RingEngine::sendTo(const at::Tensor& tensor, int dst, int64_t tag,
+                           const CallOptions& call) {
+  messages("send");
+  checks_.tensor(tensor, "send", "tensor");
+  checks_.peer(dst, "send", "dst");
+  auto work = p2p_->send(tensor.contiguous(), dst, tag, timeoutOf(call));
+  if (!call.asyncOp) work->wait();
+  return work;
+}
+
+WorkPtr RingEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
+                             const CallOptions& call) {
+  messages("recv");
+  checks_.tensor(tensor, "recv", "tensor");
+  checks_.writable(tensor, "recv", "tensor");
+  checks_.peer(src, "recv", "src");
+  const at::Tensor buf = dense(tensor);
+  auto work = p2p_->recv(tensor, buf, src, tag, timeoutOf(call),
+                         [=] { copyBack(tensor, buf); });
+  if (!call.asyncOp) work->wait();
+  return work;
 }
 
 } // namespace pyddp
-

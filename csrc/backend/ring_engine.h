@@ -1,10 +1,12 @@
-// RingEngine: pyddp's ring and direct collectives (algorithms/) over one
-// transport, for the tensors of one device: shm for the CPU; cuda_ipc, or
-// NCCL send/recv for rings across hosts, for a CUDA device. Each entry
-// point checks its arguments (a refused call leaves the group usable),
-// picks the algorithm and hands the collective to its executor: a worker
-// thread for the CPU (backend/cpu_executor.h), the internal stream of a
-// CUDA device (backend/device_executor.h).
+// RingEngine: pyddp's algorithms (algorithms/) over one transport, for the
+// tensors of one device: shm for the CPU; cuda_ipc, or NCCL send/recv for
+// rings across hosts, for a CUDA device. Each entry point checks its
+// arguments (a refused call leaves the group usable), picks the algorithm
+// and hands the collective to its executor: a worker thread for the CPU
+// (backend/cpu_executor.h), the internal stream of a CUDA device
+// (backend/device_executor.h). Point-to-point operations, and the
+// collectives built on messages (all-to-all, gather, scatter, reduce), use
+// the transport's MessageLink where it has one (shm).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -23,6 +25,7 @@ namespace pyddp {
 
 class CpuExecutor;
 class DeviceExecutor;
+class P2pExecutor;
 
 class RingEngine final : public Engine {
  public:
@@ -37,45 +40,83 @@ class RingEngine final : public Engine {
   const std::string getBackendName() const override { return "pyddp"; }
   const RingOptions& options() const { return options_; }
 
-  c10::intrusive_ptr<c10d::Work> allReduce(const at::Tensor& tensor, RedOp op,
-                                           bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> allGatherSingle(const at::Tensor& output,
-                                                 const at::Tensor& input, bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> allGatherList(const std::vector<at::Tensor>& outputs,
-                                               const at::Tensor& input, bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> broadcastFrom(const at::Tensor& tensor, int src,
-                                               bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> reduceScatterSingle(const at::Tensor& output,
-                                                     const at::Tensor& input, RedOp op,
-                                                     bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> barrierAll(bool asyncOp) override;
-  // reduce and gather move as much as all_reduce and all_gather (the other
-  // ranks compute into scratch); scatter sends the root's whole list down
-  // the broadcast chain: one transport verb set serves them all.
-  c10::intrusive_ptr<c10d::Work> reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                                          bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> gatherTo(const std::vector<at::Tensor>& outputs,
-                                          const at::Tensor& input, int root,
-                                          bool asyncOp) override;
-  c10::intrusive_ptr<c10d::Work> scatterFrom(const at::Tensor& output,
-                                             const std::vector<at::Tensor>& inputs, int root,
-                                             bool asyncOp) override;
+  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
+  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
+                          const CallOptions& call) override;
+  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                        const CallOptions& call) override;
+  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
+  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                              const CallOptions& call) override;
+  WorkPtr barrierAll(const CallOptions& call) override;
+  // With messages (shm), only the root receives: reduce is the ring's
+  // reduce phase and one block per rank to the root (direct for small
+  // messages), gather and scatter one message per rank. Without, reduce
+  // and gather compute into scratch on every rank, and scatter sends the
+  // root's whole list down the broadcast chain.
+  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                   const CallOptions& call) override;
+  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
+                   const CallOptions& call) override;
+  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+                      const CallOptions& call) override;
+  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                         const std::vector<int64_t>& outputSplits,
+                         const std::vector<int64_t>& inputSplits,
+                         const CallOptions& call) override;
+  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
+                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
+  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
+                             const CallOptions& call) override;
+  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs,
+                             const CallOptions& call) override;
+  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
+                                 const std::vector<at::Tensor>& inputs, RedOp op,
+                                 const CallOptions& call) override;
+  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
+                 const CallOptions& call) override;
+  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
+                   const CallOptions& call) override;
 
-  // Stops the executor; a running collective fails within milliseconds and
-  // queued ones fail. On a device whose peers read this rank's memory,
+  // This rank gave up (an engine that composes this one failed elsewhere):
+  // peers waiting on it fail at once with `why`.
+  void abandon(const std::string& why);
+
+  // Stops the executors; a running collective fails within milliseconds
+  // and queued ones fail. On a device whose peers read this rank's memory,
   // queued collectives finish first and every rank meets every other, so no
   // peer reads memory freed here. Idempotent; the destructor calls it.
   void shutdown() override;
 
+ protected:
+  const Executor& executor() const override { return *executor_; }
+
  private:
   using Transfer = std::function<void(const algorithms::Call& call)>;
   // Hands a collective to the executor; `transfer` runs the algorithm.
-  c10::intrusive_ptr<c10d::Work> submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
-                                        std::vector<at::Tensor> uses, Transfer transfer,
-                                        std::function<void()> finish, bool asyncOp);
+  WorkPtr submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+                 std::vector<at::Tensor> uses, Transfer transfer, std::function<void()> finish,
+                 const CallOptions& call);
+  // The collectives on one flat buffer that the plain and the coalesced
+  // calls share; `finish` copies the result out.
+  WorkPtr allReduceFlat(const at::Tensor& buf, const kernels::ReduceSpec& s,
+                        std::vector<at::Tensor> outputs, std::function<void()> finish,
+                        const CallOptions& call);
+  WorkPtr allGatherFlat(const at::Tensor& in, const at::Tensor& out, DataType dtype,
+                        size_t count, std::vector<at::Tensor> outputs,
+                        std::function<void()> finish, const CallOptions& call);
+  WorkPtr reduceScatterFlat(const at::Tensor& in, const at::Tensor& out,
+                            const kernels::ReduceSpec& s, size_t count,
+                            std::vector<at::Tensor> outputs, std::function<void()> finish,
+                            const CallOptions& call);
   // Starts the executor for device_ once transport_ is connected.
   void startExecutor();
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
+  Algo allReduceAlgo(size_t bytes) const;
+  std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
+  // The transport's messages, or a TypeError naming `call`.
+  MessageLink& messages(const char* call) const;
 
   const RingOptions options_;
   // Declared before the transport, so destroyed after it: a device
@@ -84,6 +125,8 @@ class RingEngine final : public Engine {
   CpuExecutor* cpuExec_ = nullptr;        // executor_, for the CPU
   DeviceExecutor* deviceExec_ = nullptr;  // executor_, for a CUDA device
   std::unique_ptr<Transport> transport_;
+  MessageLink* link_ = nullptr;  // transport_'s, where it has messages
+  std::unique_ptr<P2pExecutor> p2p_;
 };
 
 } // namespace pyddp

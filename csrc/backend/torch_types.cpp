@@ -47,6 +47,9 @@ c10d::OpType opTypeOf(CollectiveKind k) {
     case CollectiveKind::Reduce: return c10d::OpType::REDUCE;
     case CollectiveKind::Gather: return c10d::OpType::GATHER;
     case CollectiveKind::Scatter: return c10d::OpType::SCATTER;
+    case CollectiveKind::AllToAll: return c10d::OpType::ALLTOALL_BASE;
+    case CollectiveKind::Send: return c10d::OpType::SEND;
+    case CollectiveKind::Recv: return c10d::OpType::RECV;
   }
   return c10d::OpType::UNKNOWN;
 }

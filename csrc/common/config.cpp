@@ -14,8 +14,9 @@ constexpr const char* kDirectMaxVar = "PYDDP_DIRECT_MAX_BYTES";
 constexpr const char* kTwoShotMaxVar = "PYDDP_TWO_SHOT_MAX_BYTES";
 constexpr const char* kAlgoVar = "PYDDP_ALGO";
 constexpr const char* kDebugVar = "PYDDP_DEBUG";
-constexpr const char* kAllVars[] = {
-    kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kTwoShotMaxVar, kAlgoVar, kDebugVar};
+constexpr const char* kHostIdVar = "PYDDP_HOSTID";
+constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kTwoShotMaxVar,
+                                    kAlgoVar,      kDebugVar,   kHostIdVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -97,6 +98,10 @@ Algo RingOptions::allReduceAlgo(size_t bytes) const {
   if (directMaxBytes > 0 && bytes <= directMaxBytes) return Algo::Direct;
   if (bytes <= twoShotMaxBytes) return Algo::TwoShot;
   return Algo::Ring;
+}
+
+std::string hostIdOverride() {
+  return envOr(kHostIdVar, "");
 }
 
 std::map<std::string, std::string> settings() {

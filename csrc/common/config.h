@@ -59,4 +59,8 @@ constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Every PYDDP_* variable with its current value ("" when unset).
 std::map<std::string, std::string> settings();
 
+// PYDDP_HOSTID: the host identity this process claims instead of its own
+// (common/host.h), as NCCL_HOSTID does for NCCL; "" when unset.
+std::string hostIdOverride();
+
 } // namespace pyddp

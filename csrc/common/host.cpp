@@ -5,6 +5,8 @@
 #include <fstream>
 #include <iterator>
 
+#include "common/config.h"
+
 namespace pyddp {
 namespace {
 
@@ -18,6 +20,8 @@ std::string readFirstLine(const char* path) {
 } // namespace
 
 std::string hostId() {
+  const std::string forced = hostIdOverride();
+  if (!forced.empty()) return forced;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   return std::string(host) + "/" + readFirstLine("/proc/sys/kernel/random/boot_id");

@@ -8,7 +8,8 @@
 namespace pyddp {
 
 // Ranks may share memory only on the same machine and boot: the hostname
-// and the kernel's boot id.
+// and the kernel's boot id, or PYDDP_HOSTID when set (for containers that
+// share a kernel but not /dev/shm, or the reverse).
 std::string hostId();
 // This process's pid namespace: pids of ranks in other namespaces cannot
 // be looked up here.

@@ -40,6 +40,10 @@ enum class CollectiveKind : int32_t {
   Reduce = 5,
   Gather = 6,
   Scatter = 7,
+  AllToAll = 8,
+  // Point-to-point operations: not collectives, never numbered or compared.
+  Send = 9,
+  Recv = 10,
 };
 
 // v rounded up to a multiple of `to`.
@@ -115,6 +119,9 @@ inline const char* toString(CollectiveKind k) {
     case CollectiveKind::Reduce: return "reduce";
     case CollectiveKind::Gather: return "gather";
     case CollectiveKind::Scatter: return "scatter";
+    case CollectiveKind::AllToAll: return "all_to_all";
+    case CollectiveKind::Send: return "send";
+    case CollectiveKind::Recv: return "recv";
   }
   return "unknown";
 }

@@ -21,6 +21,7 @@
 #include "testing/sendrecv_sim.h"
 #include "transport/cuda_ipc_protocol.h"
 #include "transport/shm.h"
+#include "transport/shm_segment.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

@@ -21,6 +21,8 @@
 #include "common/check.h"
 #include "common/host.h"
 #include "common/interrupt.h"
+#include "transport/shm_channel.h"
+#include "transport/shm_segment.h"
 
 namespace pyddp {
 namespace shm {
@@ -43,16 +45,6 @@ inline void cpuRelax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
-}
-
-constexpr char kSegmentPrefix[] = "/pyddp-";
-
-std::string randomSegmentName() {
-  std::random_device rd;
-  std::ostringstream name;
-  name << kSegmentPrefix << std::hex;
-  for (int i = 0; i < 4; ++i) name << rd();
-  return name.str();
 }
 
 std::string errnoText() {
@@ -95,32 +87,12 @@ Blob decodeBlob(const std::string& text, int peer) {
 
 } // namespace
 
-std::string segmentProblem(uint32_t owner, uint32_t mode, int64_t size, size_t expected,
-                           uint32_t me) {
-  std::ostringstream why;
-  if (owner != me) {
-    why << "it belongs to uid " << owner << ", not to this process's uid " << me;
-  } else if ((mode & 07777) != 0600) {
-    why << "its mode is 0" << std::oct << (mode & 07777) << ", not 0600";
-  } else if (size < 0 || static_cast<uint64_t>(size) != expected) {
-    why << "it has " << size << " bytes, and this geometry makes " << expected;
-  }
-  return why.str();
-}
-
-bool isSegmentName(const std::string& name) {
-  const size_t prefix = sizeof(kSegmentPrefix) - 1;
-  return name.size() > prefix && name.compare(0, prefix, kSegmentPrefix) == 0 &&
-         name.find_first_not_of("0123456789abcdef", prefix) == std::string::npos;
-}
-
 ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
     : rank_(rank),
       worldSize_(worldSize),
       slotBytes_(options.slotBytes),
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
-      timeoutMs_(options.timeoutMs),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       segments_(worldSize) {
@@ -147,12 +119,12 @@ size_t ShmTransport::segmentBytes() const {
 }
 
 std::string ShmTransport::reserve() {
-  ownName_ = randomSegmentName();
+  ownName_ = newSegmentName();
   return ownName_;
 }
 
 void ShmTransport::reclaim(const std::string& reservation) {
-  if (isSegmentName(reservation)) shm_unlink(reservation.c_str());
+  shm::Segment::remove(reservation);  // shm_segment.h's, not ShmTransport::Segment
 }
 
 std::string ShmTransport::setup() {
@@ -238,6 +210,8 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     PYDDP_CHECK(b.bytes == bytes, "rank ", rank_, ": rank ", peer, "'s shm blob says its ",
                 "segment has ", b.bytes, " bytes, but its geometry makes ", bytes,
                 " (a corrupted or forged store value?)");
+    PYDDP_CHECK(isSegmentName(b.segment), "rank ", rank_, ": rank ", peer, "'s shm blob names ",
+                "'", b.segment, "', not a pyddp segment (a corrupted or forged store value?)");
     const int fd = shm_open(b.segment.c_str(), O_RDONLY, 0);
     PYDDP_CHECK(fd >= 0, "rank ", rank_, ": cannot open rank ", peer,
                 "'s shm segment ", b.segment, ": ", errnoText(),
@@ -276,6 +250,18 @@ void ShmTransport::connected() {
     shm_unlink(ownName_.c_str());
     linked_ = false;
   }
+}
+
+MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
+  if (!messages_) {
+    messages_ = std::make_unique<ShmMessages>(
+        rank_, worldSize_, slotBytes_, numSlots_, std::move(directory), [this](int peer) {
+          return peerAlive(peer) ? std::string()
+                                 : "rank " + std::to_string(peer) + " (pid " +
+                  std::to_string(segments_[peer].pid) + ") exited";
+        });
+  }
+  return messages_.get();
 }
 
 std::string ShmTransport::deadPeer() const {
@@ -378,6 +364,10 @@ void ShmTransport::abandon(const std::string& why) {
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
   current_ = desc;
   deadline_ = deadline;
+  // The deadline was set microseconds ago: round to the timeout it came from.
+  timeoutMs_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   deadline - Clock::now() + std::chrono::microseconds(500))
+                   .count();
   SegmentHeader& own = *segments_[rank_].header;
   own.desc[desc.seq % kDescriptorRing].desc = desc;
   own.arrived.value.store(desc.seq, std::memory_order_release);

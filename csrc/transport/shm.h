@@ -12,13 +12,15 @@
 // publishes before the segment exists (reserve()), unlinked by every rank as
 // soon as every rank has mapped them (connected() and reclaim()), or by a
 // peer when the owner died before it could (reclaim()), and unmapped on
-// destruction. A peer's segment is mapped only if fstat() shows what a rank
-// of this user made for this geometry (segmentProblem()) and its header
-// names the rank, pid and geometry of the blob that named it.
+// destruction. A peer's segment is mapped only if its name is a pyddp name,
+// fstat() shows what a rank of this user made for this geometry
+// (shm_segment.h's segmentProblem()), and its header names the rank, pid
+// and geometry of the blob that named it.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -40,16 +42,6 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 constexpr uint32_t kLayoutVersion = 1;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
-
-// Why a peer's segment, as fstat() describes it (owner uid, mode bits,
-// size), is not one this rank may map: pyddp's segments belong to the user
-// running the ranks (`me`), have mode 0600 and the size their geometry
-// implies (`expected`). "" when it is one.
-std::string segmentProblem(uint32_t owner, uint32_t mode, int64_t size, size_t expected,
-                           uint32_t me);
-// Whether `name` is one pyddp gives its segments ("/pyddp-" and hex): all a
-// store value may make a rank unlink.
-bool isSegmentName(const std::string& name);
 
 // A monotonically increasing counter on its own cache line, so that the
 // flags of different writers never share a line.
@@ -131,6 +123,8 @@ static_assert(offsetof(SegmentHeader, magic) == 0 &&
               offsetof(SegmentHeader, desc) == 384 && offsetof(SegmentHeader, failureText) == 640 &&
               sizeof(SegmentHeader) == 1088);
 
+class ShmMessages;
+
 class ShmTransport final : public Transport,
                           public RingLink,
                           public LocalOps,
@@ -158,6 +152,8 @@ class ShmTransport final : public Transport,
   // "" while every peer's process lives (or cannot be seen from here), else
   // which rank exited: for transports that wait elsewhere (on a GPU).
   std::string deadPeer() const;
+  // Point-to-point channels between pairs of ranks (shm_channel.h).
+  MessageLink* messages(std::shared_ptr<Directory> directory) override;
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
@@ -224,7 +220,6 @@ class ShmTransport final : public Transport,
   const size_t slotBytes_;
   const int numSlots_;
   const size_t directBytes_;
-  const int64_t timeoutMs_;
   const std::string hostId_;
   const std::string pidNamespace_;
 
@@ -233,12 +228,14 @@ class ShmTransport final : public Transport,
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
   std::atomic<bool> abandoned_{false};  // the failure text is (being) written
+  std::unique_ptr<ShmMessages> messages_;  // made by the first messages()
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
   uint64_t rounds_ = 0;    // mirrors our staged counter
   CollectiveDesc current_;
   Clock::time_point deadline_;
+  int64_t timeoutMs_ = 0;  // of the current collective (the group's, or its call's)
 };
 
 } // namespace shm

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstddef>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,53 @@ class PeerMemory {
   virtual const void* peerBuffer(int rank) const = 0;
 };
 
+// Where connections made after bootstrap (point-to-point channels, made on
+// first use) publish what a peer needs to reach them: the engine gives a
+// view of the group's store. lookup() does not wait.
+class Directory {
+ public:
+  virtual ~Directory() = default;
+  virtual void publish(const std::string& key, const std::string& value) = 0;
+  virtual std::optional<std::string> lookup(const std::string& key) = 0;
+};
+
+// Point-to-point messages between two ranks: the verbs of send/recv and of
+// the pairwise exchanges of all-to-all, gather and scatter. A message is
+// `bytes` of one dtype with a tag; messages between a pair of ranks with
+// the same tag are received in the order they were sent (FIFO per pair
+// and tag); across tags, in any order. A send finishes once its receive has
+// taken it; a receive that wants another size or dtype fails, and so does
+// the send.
+//
+// Verbs do not wait: post*() queues an operation, progress() moves what
+// can move now. Whoever waits drives progress: the engine's progress
+// thread, or a thread in wait(). Every method is thread-safe. Operations
+// are numbered by the link; a finished operation is kept until release().
+class MessageLink {
+ public:
+  enum class State { Pending, Done, Failed };
+
+  virtual ~MessageLink() = default;
+  // `data` must stay valid (and, for a send, unchanged) until the
+  // operation finished. Operations past `deadline` fail, naming the peer.
+  virtual uint64_t postSend(int peer, int64_t tag, DataType dtype, const void* data,
+                            size_t bytes, Clock::time_point deadline) = 0;
+  virtual uint64_t postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
+                            Clock::time_point deadline) = 0;
+  // Moves what can move now; returns whether anything did (waiters back
+  // off when nothing does).
+  virtual bool progress() = 0;
+  // The operation's state; for Failed, why.
+  virtual State poll(uint64_t id, std::string* why) = 0;
+  // Forgets a finished operation.
+  virtual void release(uint64_t id) = 0;
+  // Blocks, driving progress, until every operation of `ids` finished;
+  // throws the first failure (DistBackendError). Releases them.
+  virtual void wait(const std::vector<uint64_t>& ids) = 0;
+  // Fails every pending operation with `why`, and tells the peers.
+  virtual void abort(const std::string& why) = 0;
+};
+
 // A transport connects this rank to all others in two phases: setup()
 // returns a small blob that the engine all-gathers through the store,
 // connect() maps or opens what the blobs name, and connected() (after every
@@ -136,6 +185,11 @@ class Transport {
   // recorded while running it ("" when none). It owns what it reads, so it
   // may outlive the transport. Null where the device records no errors.
   virtual std::function<std::string()> deviceErrorProbe() const { return nullptr; }
+
+  // Point-to-point messages over this transport, made on first use of a
+  // pair of ranks through `directory`; nullptr for transports without
+  // them. The link is the transport's and lives as long as it.
+  virtual MessageLink* messages(std::shared_ptr<Directory> directory) { return nullptr; }
 };
 
 } // namespace pyddp

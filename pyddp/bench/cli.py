@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pyddp.bench import launch, plot, report
-from pyddp.bench.backends import BACKENDS, BASELINES
+from pyddp.bench.peers import BASELINES, PEERS
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, exact_limit, largest_value
 from pyddp.bench.sizes import format_size, parse_size, size_sweep
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size multiplier between steps, at least 2 (default: 4)")
     parser.add_argument("--ops", type=_names(OPS), default=["all_reduce"],
                         help=f"'all' or a comma list from {', '.join(OPS)} (default: all_reduce)")
-    parser.add_argument("--backends", type=_names(BACKENDS), default=list(BACKENDS),
-                        help=f"'all' or a comma list from {', '.join(BACKENDS)} (default: all; "
+    parser.add_argument("--peers", "--backends", type=_names(PEERS), default=list(PEERS),
+                        help=f"'all' or a comma list from {', '.join(PEERS)} (default: all; "
                              "those that cannot run here are listed as skipped, with why)")
     parser.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32",
                         help="element type (default: float32)")
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed iterations per block (default: adaptive, so that the "
                              "blocks of a point take about --target-time seconds in all)")
     parser.add_argument("--trials", type=_int_at_least(1), default=5,
-                        help="timed blocks per point; backends take turns block by block and "
+                        help="timed blocks per point; peers take turns block by block and "
                              "the median block is reported (default: 5)")
     parser.add_argument("--target-time", type=_positive_float, default=0.25,
                         help="seconds per point, all blocks together, when --iters is "
@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: on)")
     parser.add_argument("--threads", type=_int_at_least(1), default=1,
                         help="intra-op (OpenMP) threads per rank (default: 1)")
-    parser.add_argument("--baseline", choices=list(BACKENDS), default=None,
-                        help="backend the summary's speed-ups are relative to (default: "
-                             + ", ".join(f"{b} for {d} backends" for d, b in BASELINES.items())
+    parser.add_argument("--baseline", choices=list(PEERS), default=None,
+                        help="peer the summary's speed-ups are relative to (default: "
+                             + ", ".join(f"{b} for {d} peers" for d, b in BASELINES.items())
                              + ")")
     parser.add_argument("--timeout", type=_positive_float, default=300.0,
                         help="seconds a collective may take, and the run may go without "
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", metavar="PATH", default=None,
                         help="also write the results to PATH as CSV, one row per point")
     parser.add_argument("--plot", metavar="PATH", default=None,
-                        help="also draw busbw and latency against size for every backend to "
+                        help="also draw busbw and latency against size for every peer to "
                              "PATH (png, svg or pdf; needs matplotlib)")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress bar (it is drawn on stderr only when that is a "
@@ -188,7 +188,7 @@ def parse_options(argv: Optional[Sequence[str]] = None,
                     "does not hold exactly; use a wider --dtype, fewer ranks or --no-check")
     if args.plot is not None and plot.unavailable() is not None:
         parser.error(plot.unavailable())
-    plan = Plan(world_size=world_size, sizes=sizes, ops=args.ops, backends=args.backends,
+    plan = Plan(world_size=world_size, sizes=sizes, ops=args.ops, peers=args.peers,
                 dtype=args.dtype, redop=args.redop, root=args.root, iters=args.iters,
                 warmup=args.warmup, target_seconds=args.target_time,
                 timeout_seconds=args.timeout, check=args.check, threads=args.threads,
@@ -212,7 +212,7 @@ class _Progress:
             return
         from tqdm import tqdm
 
-        self._bar = tqdm(total=len(plan.sizes) * len(plan.ops) * len(plan.backends),
+        self._bar = tqdm(total=len(plan.sizes) * len(plan.ops) * len(plan.peers),
                          unit="point", file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def __call__(self, event: Event) -> None:
@@ -223,7 +223,7 @@ class _Progress:
             self._bar.total -= ops * self._points_per_op
             self._bar.refresh()
         else:
-            self._bar.set_postfix_str(f"{event.op} {event.backend} {format_size(event.size)}",
+            self._bar.set_postfix_str(f"{event.op} {event.peer} {format_size(event.size)}",
                                       refresh=False)
             self._bar.update()
 
@@ -254,7 +254,7 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     launch_env = launched_rank()
     if launch_env is not None and launch_env.by_mpirun:
         print("pyddp.bench: do not start the tool under mpirun; it starts mpirun itself when "
-              "the mpi backend is wanted", file=sys.stderr)
+              "the mpi peer is wanted", file=sys.stderr)
         return 2
     options = parse_options(argv, launch_env)
     plan = options.plan
@@ -262,7 +262,7 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     if speaker:
         print(f"# pyddp.bench: {plan.world_size} ranks, {', '.join(plan.ops)}, {plan.dtype}, "
               f"{format_size(plan.sizes[0])} to {format_size(plan.sizes[-1])}, "
-              f"backends {', '.join(plan.backends)}", flush=True)
+              f"peers {', '.join(plan.peers)}", flush=True)
     progress = _Progress(plan, options.quiet or not speaker)
     try:
         if launch_env is None:
@@ -277,7 +277,7 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     results = [e for e in events if isinstance(e, Result)]
     skipped = [e for e in events if isinstance(e, Skipped)]
     if speaker:
-        print(report.render(results, skipped, plan.ops, plan.backends, options.baselines,
+        print(report.render(results, skipped, plan.ops, plan.peers, options.baselines,
                             plan.check), flush=True)
         if options.json_path is not None:
             report.write_json(options.json_path, dataclasses.asdict(plan), results, skipped)
@@ -285,7 +285,7 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
             report.write_csv(options.csv_path, results)
         if options.plot_path is not None:
             if results:
-                plot.write_plot(options.plot_path, results, plan.ops, plan.backends,
+                plot.write_plot(options.plot_path, results, plan.ops, plan.peers,
                                 f"pyddp.bench: {plan.world_size} ranks, {plan.dtype}, "
                                 f"{os.uname().nodename}")
             else:

@@ -25,18 +25,17 @@ import os
 import queue as queue_module
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyddp import _launch
+from pyddp.bench.over_ranks import max_over_ranks
+
 VARIANTS = ("no communication", "pyddp DDP (shm)", "torch DDP (gloo)")
-JOIN_SECONDS = 30.0
-STARTUP_SECONDS = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,65 +123,45 @@ def _render(report: Dict[str, object]) -> str:
 
 
 def _run(args: argparse.Namespace) -> Dict[str, object]:
-    """Spawns the ranks, returns rank 0's report; every rank is joined or killed."""
-    ctx = mp.get_context("spawn")
-    messages = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="pyddp-bench-ddp-") as store_dir:
-        procs = [ctx.Process(target=_rank_main, args=(rank, args, store_dir, messages))
-                 for rank in range(args.world_size)]
-        for proc in procs:
-            proc.start()
-        try:
-            return _collect(procs, messages, args.timeout)
-        finally:
-            deadline = time.monotonic() + JOIN_SECONDS
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            messages.close()
-
-
-def _collect(procs, messages, stall_seconds: float) -> Dict[str, object]:
-    report: Optional[Dict[str, object]] = None
-    done = set()
-    deadline = time.monotonic() + STARTUP_SECONDS + stall_seconds
-    while len(done) < len(procs):
-        try:
-            kind, rank, payload = messages.get(timeout=0.5)
-        except queue_module.Empty:
-            for rank, proc in enumerate(procs):
-                if rank not in done and proc.exitcode is not None:
-                    raise RuntimeError(f"rank {rank} exited with code {proc.exitcode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no progress for {stall_seconds:.0f} s; stopping the run")
-            continue
-        deadline = time.monotonic() + stall_seconds
-        if kind == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        if kind == "progress":
-            print(f"# {payload}", flush=True)
-        elif kind == "done":
-            done.add(rank)
-            if rank == 0:
-                report = payload
-    if report is None:
-        raise RuntimeError("rank 0 finished without a report")
-    return report
-
-
-def _rank_main(rank: int, args: argparse.Namespace, store_dir: str, messages) -> None:
+    """Spawns the ranks, shows rank 0's progress and returns its report."""
+    progress = mp.get_context("spawn").Queue()
     try:
-        report = _measure(rank, args, store_dir, messages)
-        messages.put(("done", rank, report))
-    except Exception:
-        messages.put(("error", rank, traceback.format_exc()))
-        sys.exit(1)
+        with _launch.Rendezvous(prefix="pyddp-bench-ddp-") as rendezvous:
+            with _launch.spawn(_measure, args.world_size,
+                               (args, rendezvous.directory, progress)) as job:
+                _wait(job, progress, args.timeout)
+            # The ranks have exited, so every line rank 0 sent is in the queue.
+            _show_progress(progress, 0.0)
+            return job.results[0]
+    finally:
+        progress.close()
 
 
-def _measure(rank: int, args: argparse.Namespace, store_dir: str, messages
+def _wait(job: _launch.Job, progress, stall_seconds: float) -> None:
+    """Shows progress until every rank has returned its report; raises if a rank fails, or
+    nothing arrives for ``stall_seconds`` (plus start-up time before the first round)."""
+    deadline = time.monotonic() + _launch.STARTUP_SECONDS + stall_seconds
+    while not job.poll():
+        if _show_progress(progress, _launch.POLL_SECONDS):
+            deadline = time.monotonic() + stall_seconds
+        elif time.monotonic() > deadline:
+            raise RuntimeError(f"no progress for {stall_seconds:.0f} s; stopping the run")
+
+
+def _show_progress(progress, timeout: float) -> bool:
+    """Prints the lines in ``progress``, waiting up to ``timeout`` for the first; True if any."""
+    shown = False
+    try:
+        while True:
+            print(f"# {progress.get(timeout=timeout)}", flush=True)
+            shown, timeout = True, 0.0
+    except queue_module.Empty:
+        return shown
+
+
+def _measure(rank: int, args: argparse.Namespace, store_dir: str, progress
              ) -> Dict[str, object]:
+    """One rank: times every variant; the report (the same on every rank)."""
     import pyddp
     from pyddp.ddp import DistributedDataParallel
 
@@ -231,26 +210,19 @@ def _measure(rank: int, args: argparse.Namespace, store_dir: str, messages
                     step(name)
                     if name == VARIANTS[1]:
                         wait += models[name].last_comm_wait_seconds
-                seconds = _max_over_ranks((time.perf_counter() - start) / args.steps)
+                seconds = max_over_ranks((time.perf_counter() - start) / args.steps)
                 samples[name].append(seconds)
                 if name == VARIANTS[1]:
-                    waits.append(_max_over_ranks(wait / args.steps))
+                    waits.append(max_over_ranks(wait / args.steps))
             if rank == 0:
                 times = ", ".join(f"{name} {1e3 * samples[name][-1]:.1f}" for name in VARIANTS)
-                messages.put(("progress", rank, f"round {round_ + 1}/{args.rounds} (ms/step): "
-                              f"{times}"))
+                progress.put(f"round {round_ + 1}/{args.rounds} (ms/step): {times}")
         identical = _identical_across_ranks(models[VARIANTS[1]].module, n)
         return {"step_s": samples, "pyddp_wait_s": statistics.median(waits),
                 "identical": identical}
     finally:
         pyddp.destroy_process_group(group)
         dist.destroy_process_group()
-
-
-def _max_over_ranks(value: float) -> float:
-    buf = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return float(buf.item())
 
 
 def _identical_across_ranks(model: nn.Module, world_size: int) -> bool:

@@ -32,7 +32,7 @@ def busbw_factor(op: str, world_size: int) -> float:
 
 @dataclass(frozen=True)
 class Result:
-    """One measured (op, backend, size) point; a row of a table and of the JSON/CSV output.
+    """One measured (op, peer, size) point; a row of a table and of the JSON/CSV output.
 
     ``size`` is the message size in bytes as nccl-tests counts it (the
     gathered buffer for all_gather and reduce_scatter) and ``count`` its
@@ -43,7 +43,7 @@ class Result:
     """
 
     op: str
-    backend: str
+    peer: str
     detail: str
     device: str
     world_size: int
@@ -59,13 +59,13 @@ class Result:
     wrong: Optional[int]
 
     @classmethod
-    def from_timing(cls, op: str, backend: str, detail: str, device: str, world_size: int,
+    def from_timing(cls, op: str, peer: str, detail: str, device: str, world_size: int,
                     size: int, count: int, dtype: str, redop: str, root: int, iters: int,
                     seconds: float, wrong: Optional[int]) -> "Result":
         """Derives time per call and bandwidths from ``iters`` calls taking ``seconds``."""
         per_call = seconds / iters
         algbw = size / per_call / 1e9 if per_call > 0 else 0.0
-        return cls(op=op, backend=backend, detail=detail, device=device, world_size=world_size,
+        return cls(op=op, peer=peer, detail=detail, device=device, world_size=world_size,
                    size=size, count=count, dtype=dtype, redop=redop, root=root, iters=iters,
                    time_us=per_call * 1e6, algbw_gbps=algbw,
                    busbw_gbps=algbw * busbw_factor(op, world_size), wrong=wrong)
@@ -73,8 +73,8 @@ class Result:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A backend (``op`` None) or one of its collectives that the run could not measure."""
+    """A peer (``op`` None) or one of its collectives that the run could not measure."""
 
-    backend: str
+    peer: str
     op: Optional[str]
     reason: str

@@ -4,7 +4,7 @@ Every rank's input is a closed-form function of (rank, element index) made of
 small integers, so each rank can compute the expected output of any
 collective by itself, in float64, without communicating; ``count_wrong``
 compares against that. A collective is added by writing a Case class with a
-``prepare`` factory, listing it in ``OPS``, giving backends a method for it and
+``prepare`` factory, listing it in ``OPS``, giving peers a method for it and
 its busbw factor in metrics.busbw_factor.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from pyddp.bench.backends import Backend
+from pyddp.bench.peers import Peer
 
 REDOPS = ("sum", "prod", "min", "max", "avg")
 """Reduction operators, by their nccl-tests names."""
@@ -93,7 +93,7 @@ def count_mismatches(output: torch.Tensor, expected: torch.Tensor, redop: str) -
 
     Every value is an exact small integer, so the comparison is exact, except
     for avg: there the sum is exact but the division by the world size rounds,
-    and a backend may divide in another precision, so one unit in the last
+    and a peer may divide in another precision, so one unit in the last
     place of ``output``'s dtype is allowed.
     """
     actual = output.to(torch.float64)
@@ -117,8 +117,8 @@ class Case(Protocol):
     def reset(self) -> None:
         """Restores the inputs and blanks the outputs (collectives may work in place)."""
 
-    def bind(self, backend: Backend) -> Callable[[], None]:
-        """A function that runs the collective once on ``backend`` with these buffers."""
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        """A function that runs the collective once on ``peer`` with these buffers."""
 
     def count_wrong(self) -> int:
         """Elements of this rank's output that differ from the expected answer.
@@ -186,8 +186,8 @@ class AllReduceCase(_InPlaceCase):
                 world_size: int, redop: str, root: int) -> "AllReduceCase":
         return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, redop)
 
-    def bind(self, backend: Backend) -> Callable[[], None]:
-        return backend.all_reduce(self.tensor, self._redop)
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.all_reduce(self.tensor, self._redop)
 
     def count_wrong(self) -> int:
         expected = self._b.expected(
@@ -210,8 +210,8 @@ class BroadcastCase(_InPlaceCase):
                 world_size: int, redop: str, root: int) -> "BroadcastCase":
         return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, root)
 
-    def bind(self, backend: Backend) -> Callable[[], None]:
-        return backend.broadcast(self.tensor, self._root)
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.broadcast(self.tensor, self._root)
 
     def count_wrong(self) -> int:
         expected = self._b.expected(lambda: data_input(self._root, self.count))
@@ -250,8 +250,8 @@ class AllGatherCase:
     def reset(self) -> None:
         self.output.fill_(SENTINEL)
 
-    def bind(self, backend: Backend) -> Callable[[], None]:
-        return backend.all_gather(self.output, self.input)
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.all_gather(self.output, self.input)
 
     def count_wrong(self) -> int:
         block = self.input.numel()
@@ -287,8 +287,8 @@ class ReduceScatterCase:
     def reset(self) -> None:
         self.output.fill_(SENTINEL)
 
-    def bind(self, backend: Backend) -> Callable[[], None]:
-        return backend.reduce_scatter(self.output, self.input, self._redop)
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.reduce_scatter(self.output, self.input, self._redop)
 
     def count_wrong(self) -> int:
         block = self.output.numel()

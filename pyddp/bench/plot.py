@@ -1,4 +1,4 @@
-"""``--plot``: busbw and latency against message size, one line per backend (matplotlib)."""
+"""``--plot``: busbw and latency against message size, one line per peer (matplotlib)."""
 
 import importlib.util
 from collections.abc import Sequence
@@ -16,7 +16,7 @@ def unavailable() -> Optional[str]:
 
 
 def write_plot(path: str, results: Sequence[Result], ops: Sequence[str],
-               backends: Sequence[str], title: str) -> None:
+               peers: Sequence[str], title: str) -> None:
     """Draws, for each op with results, busbw (left) and time per call (right) against size.
 
     Both axes are logarithmic; the format follows ``path``'s extension (png,
@@ -31,8 +31,8 @@ def write_plot(path: str, results: Sequence[Result], ops: Sequence[str],
     figure = Figure(figsize=(12, 4.2 * len(measured)), layout="constrained")
     axes = figure.subplots(len(measured), 2, squeeze=False)
     for (bw_ax, time_ax), op in zip(axes, measured):
-        for name in backends:
-            rows = sorted((r for r in results if r.op == op and r.backend == name),
+        for name in peers:
+            rows = sorted((r for r in results if r.op == op and r.peer == name),
                           key=lambda r: r.size)
             if not rows:
                 continue

@@ -16,10 +16,10 @@ _ROW = "{:>12}  {:>12}  {:>8}  {:>6}  {:>4}  {:>11}  {:>12}  {:>12}  {:>7}"
 
 
 def table(results: Sequence[Result]) -> str:
-    """One table for the results of a single (op, backend), in size order."""
+    """One table for the results of a single (op, peer), in size order."""
     first = results[0]
     lines = [
-        f"# {first.op}  backend: {first.backend} ({first.detail})  ranks: {first.world_size}  "
+        f"# {first.op}  peer: {first.peer} ({first.detail})  ranks: {first.world_size}  "
         f"device: {first.device}",
         "#" + _ROW.format("size (B)", "count", "type", "redop", "root", "time (us)",
                           "algbw (GB/s)", "busbw (GB/s)", "#wrong")[1:],
@@ -31,25 +31,25 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def summary(results: Sequence[Result], backends: Sequence[str], baseline: str) -> Optional[str]:
-    """Per size, each backend's speed-up over ``baseline``: baseline time / backend time.
+def summary(results: Sequence[Result], peers: Sequence[str], baseline: str) -> Optional[str]:
+    """Per size, each peer's speed-up over ``baseline``: baseline time / peer time.
 
     ``results`` are of one op and one device. That ratio is also the busbw
-    ratio (same size, same factor); above 1 the backend is faster. A backend
+    ratio (same size, same factor); above 1 the peer is faster. A peer
     without a point at some size shows "-". None when ``baseline`` has no
-    results here or no other backend has.
+    results here or no other peer has.
     """
-    base = {r.size: r for r in results if r.backend == baseline}
-    others = [name for name in backends
-              if name != baseline and any(r.backend == name for r in results)]
+    base = {r.size: r for r in results if r.peer == baseline}
+    others = [name for name in peers
+              if name != baseline and any(r.peer == name for r in results)]
     if not base or not others:
         return None
     first = next(iter(base.values()))
-    times = {(r.backend, r.size): r.time_us for r in results}
+    times = {(r.peer, r.size): r.time_us for r in results}
     row = "{:>12}  {:>12}" + "  {:>12}" * len(others)
     lines = [
         f"# summary: {first.op} on {first.device}, speed-up over {baseline} "
-        f"({baseline} time / backend time = busbw ratio; above 1 is faster)",
+        f"({baseline} time / peer time = busbw ratio; above 1 is faster)",
         "#" + row.format("size (B)", f"{baseline} (us)", *others)[1:],
     ]
     for size in sorted(base):
@@ -60,28 +60,28 @@ def summary(results: Sequence[Result], backends: Sequence[str], baseline: str) -
 
 
 def skipped_lines(skipped: Sequence[Skipped]) -> str:
-    """One ``# skipped:`` line per backend or (backend, op) that did not run, with why."""
+    """One ``# skipped:`` line per peer or (peer, op) that did not run, with why."""
     return "\n".join(
-        f"# skipped: {s.backend}{'' if s.op is None else ' ' + s.op}: {s.reason}"
+        f"# skipped: {s.peer}{'' if s.op is None else ' ' + s.op}: {s.reason}"
         for s in skipped)
 
 
 def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[str],
-           backends: Sequence[str], baselines: dict[str, str], checked: bool) -> str:
-    """All tables (per op, per backend), each op's summaries, the skips and the wrong count.
+           peers: Sequence[str], baselines: dict[str, str], checked: bool) -> str:
+    """All tables (per op, per peer), each op's summaries, the skips and the wrong count.
 
-    ``baselines`` maps a device ("cpu", "cuda") to the backend its summary
+    ``baselines`` maps a device ("cpu", "cuda") to the peer its summary
     compares with.
     """
     blocks: list[str] = []
     for op in ops:
         of_op = [r for r in results if r.op == op]
-        for name in backends:
-            rows = [r for r in of_op if r.backend == name]
+        for name in peers:
+            rows = [r for r in of_op if r.peer == name]
             if rows:
                 blocks.append(table(rows))
         for device, baseline in baselines.items():
-            text = summary([r for r in of_op if r.device == device], backends, baseline)
+            text = summary([r for r in of_op if r.device == device], peers, baseline)
             if text is not None:
                 blocks.append(text)
     if skipped:
@@ -104,7 +104,7 @@ def environment() -> dict[str, Any]:
 def write_json(path: str, plan: dict[str, Any], results: Sequence[Result],
                skipped: Sequence[Skipped]) -> None:
     """Writes ``{"plan", "environment", "results", "skipped"}`` to ``path``; one result per
-    (op, backend, size), fields as in metrics.Result."""
+    (op, peer, size), fields as in metrics.Result."""
     document = {
         "plan": plan,
         "environment": environment(),

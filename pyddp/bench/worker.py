@@ -23,9 +23,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from pyddp.bench.backends import BACKENDS, Backend, RankContext, Run
+from pyddp.bench.peers import PEERS, Peer, RankContext, Run
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.ops import OPS, REDUCING_OPS, Case
+from pyddp.bench.over_ranks import max_over_ranks, sum_over_ranks
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,7 +48,7 @@ PLAN_FILE = "plan.json"
 STORE_FILE = "store"
 
 Event = Union[Result, Skipped]
-"""What a sweep yields: a measured point, or a backend (or one of its ops) it could not run."""
+"""What a sweep yields: a measured point, or a peer (or one of its ops) it could not run."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Plan:
     world_size: int
     sizes: list[int]
     ops: list[str]
-    backends: list[str]
+    peers: list[str]
     dtype: str
     redop: str
     root: int
@@ -106,11 +107,11 @@ def launched_rank(environ: Optional[dict[str, str]] = None) -> Optional[Launch]:
 
 
 def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
-    """Measures every (size, op, backend) point on this rank, sizes outermost.
+    """Measures every (size, op, peer) point on this rank, sizes outermost.
 
     Every rank yields the same events. The default torch.distributed group
     (gloo) is created first: it carries the bookkeeping collectives and is the
-    "gloo" backend.
+    "gloo" peer.
     """
     timeout = datetime.timedelta(seconds=plan.timeout_seconds)
     ctx = RankContext(launch.rank, launch.world_size, launch.local_rank,
@@ -120,27 +121,27 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
     dtype = DTYPES[plan.dtype]
     try:
         with ExitStack() as stack:
-            active: dict[str, list[Backend]] = {op: [] for op in plan.ops}
-            for name in plan.backends:
-                reason = _agree(BACKENDS[name].probe(ctx))
+            active: dict[str, list[Peer]] = {op: [] for op in plan.ops}
+            for name in plan.peers:
+                reason = _agree(PEERS[name].probe(ctx))
                 if reason is not None:
                     yield Skipped(name, None, reason)
                     continue
-                backend = BACKENDS[name].open(ctx)
-                stack.callback(backend.close)
+                peer = PEERS[name].open(ctx)
+                stack.callback(peer.close)
                 for op in plan.ops:
-                    reason = backend.unsupported(op, plan.redop, dtype)
+                    reason = peer.unsupported(op, plan.redop, dtype)
                     if reason is None:
-                        active[op].append(backend)
+                        active[op].append(peer)
                     else:
                         yield Skipped(name, op, reason)
             for size in plan.sizes:
                 for op in plan.ops:
                     cases: dict[torch.device, Case] = {}
-                    for backend in active[op]:
-                        if backend.device not in cases:
-                            cases[backend.device] = OPS[op](
-                                size, dtype, backend.device, launch.rank, launch.world_size,
+                    for peer in active[op]:
+                        if peer.device not in cases:
+                            cases[peer.device] = OPS[op](
+                                size, dtype, peer.device, launch.rank, launch.world_size,
                                 plan.redop, plan.root)
                     yield from _measure(op, [_Point(op, cases[b.device], b) for b in active[op]],
                                         plan)
@@ -161,30 +162,30 @@ def _agree(reason: Optional[str]) -> Optional[str]:
 
 
 class _Point:
-    """One (op, size, backend) being measured: its bound call, iterations and trial times."""
+    """One (op, size, peer) being measured: its bound call, iterations and trial times."""
 
-    def __init__(self, op: str, case: Case, backend: Backend) -> None:
+    def __init__(self, op: str, case: Case, peer: Peer) -> None:
         self.op = op
         self.case = case
-        self.backend = backend
+        self.peer = peer
         self.iters = 0
         self.trial_seconds: list[float] = []
         try:
-            self.run = case.bind(backend)
+            self.run = case.bind(peer)
         except Exception as error:
             raise self.error(error) from error
 
     def error(self, error: Exception) -> RuntimeError:
         """``error`` with the rank and the point it happened at."""
-        return RuntimeError(f"rank {dist.get_rank()}: {self.backend.name} {self.op} of "
+        return RuntimeError(f"rank {dist.get_rank()}: {self.peer.name} {self.op} of "
                             f"{self.case.nbytes} bytes failed: {error}")
 
 
 def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
-    """The timing loop for one (op, size) over every backend that runs it.
+    """The timing loop for one (op, size) over every peer that runs it.
 
-    Each backend warms up and calibrates its iteration count; then the
-    backends take turns, ``plan.trials`` timed blocks each, so a burst of load
+    Each peer warms up and calibrates its iteration count; then the
+    peers take turns, ``plan.trials`` timed blocks each, so a burst of load
     on a shared machine hits them alike; the time reported is the median
     block (each block's time is the slowest rank's). Last, with --check,
     each runs once more from fresh inputs and its output is compared with the
@@ -196,16 +197,16 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
             point.case.reset()
             for _ in range(plan.warmup):
                 point.run()
-            point.backend.sync()
-            point.iters = plan.iters or _calibrate(point.run, point.backend, target)
+            point.peer.sync()
+            point.iters = plan.iters or _calibrate(point.run, point.peer, target)
         except Exception as error:
             raise point.error(error) from error
     for _ in range(plan.trials):
         for point in points:
             try:
-                point.backend.barrier()
+                point.peer.barrier()
                 point.trial_seconds.append(
-                    _max_over_ranks(_time(point.run, point.backend, point.iters)))
+                    max_over_ranks(_time(point.run, point.peer, point.iters)))
             except Exception as error:
                 raise point.error(error) from error
     redop = plan.redop if op in REDUCING_OPS else "none"
@@ -216,47 +217,33 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
             try:
                 point.case.reset()
                 point.run()
-                point.backend.sync()
-                wrong = _sum_over_ranks(point.case.count_wrong())
+                point.peer.sync()
+                wrong = sum_over_ranks(point.case.count_wrong())
             except Exception as error:
                 raise point.error(error) from error
-        backend = point.backend
-        yield Result.from_timing(op, backend.name, backend.detail, backend.device.type,
+        peer = point.peer
+        yield Result.from_timing(op, peer.name, peer.detail, peer.device.type,
                                  plan.world_size, point.case.nbytes, point.case.count,
                                  plan.dtype, redop, root, point.iters,
                                  statistics.median(point.trial_seconds), wrong)
 
 
-def _calibrate(run: Run, backend: Backend, target_seconds: float) -> int:
+def _calibrate(run: Run, peer: Peer, target_seconds: float) -> int:
     """Iterations that take about ``target_seconds``, from a short probe; equal on all ranks."""
-    backend.barrier()
-    per_call = _max_over_ranks(_time(run, backend, PROBE_ITERS)) / PROBE_ITERS
+    peer.barrier()
+    per_call = max_over_ranks(_time(run, peer, PROBE_ITERS)) / PROBE_ITERS
     if per_call <= 0:
         return MAX_ITERS
     return max(MIN_ITERS, min(MAX_ITERS, math.ceil(target_seconds / per_call)))
 
 
-def _time(run: Run, backend: Backend, iters: int) -> float:
+def _time(run: Run, peer: Peer, iters: int) -> float:
     """Seconds that ``iters`` back-to-back runs take on this rank, until its device is done."""
     start = time.perf_counter()
     for _ in range(iters):
         run()
-    backend.sync()
+    peer.sync()
     return time.perf_counter() - start
-
-
-def _max_over_ranks(value: float) -> float:
-    """The largest ``value`` over all ranks (through the default gloo group)."""
-    buf = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    return float(buf.item())
-
-
-def _sum_over_ranks(value: int) -> int:
-    """The sum of ``value`` over all ranks (through the default gloo group)."""
-    buf = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(buf)
-    return int(buf.item())
 
 
 def encode(kind: str, rank: int, payload: Optional[Union[Event, str]] = None) -> str:

@@ -1,14 +1,14 @@
 """The libraries under test, behind one small protocol.
 
-Each entry of ``BACKENDS`` is a class with two class methods: ``probe(ctx)``
-says in a rank, before any group is joined, why the backend cannot run here
+Each entry of ``PEERS`` is a class with two class methods: ``probe(ctx)``
+says in a rank, before any group is joined, why the peer cannot run here
 (None when it can; the ranks agree on the answer before acting on it), and
-``open(ctx)`` joins its group and returns a Backend. A Backend hands out
+``open(ctx)`` joins its group and returns a Peer. A Peer hands out
 *bound* collectives: a function that runs one collective on given buffers, so
 per-call conversions (to numpy for MPI, say) happen once per buffer, not once
 per timed call.
 
-A peer is added by writing such a class and listing it in ``BACKENDS``.
+A peer is added by writing such a class and listing it in ``PEERS``.
 """
 
 import datetime
@@ -18,8 +18,7 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Protocol
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from pyddp._launch import temporary_environ
 
 MPIRUN_VERSION_SECONDS = 30.0
 """How long ``mpirun --version`` may take (it answers in well under a second)."""
@@ -37,7 +37,7 @@ Run = Callable[[], None]
 
 @dataclass(frozen=True)
 class RankContext:
-    """What a backend needs to join its group in one rank."""
+    """What a peer needs to join its group in one rank."""
 
     rank: int
     world_size: int
@@ -52,7 +52,7 @@ class RankContext:
         return dist.PrefixStore(f"pyddp.bench/{name}", self.base_store)
 
 
-class Backend(Protocol):
+class Peer(Protocol):
     """A collective library as the timing loop sees it; every bound call blocks until done
     (on a GPU: until the work is queued; ``sync`` waits for it)."""
 
@@ -61,7 +61,7 @@ class Backend(Protocol):
     detail: str
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
-        """Why this backend cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
+        """Why this peer cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
 
     def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
         """Reduces ``tensor`` across ranks, in place."""
@@ -108,7 +108,7 @@ def _shares_gpu(ctx: RankContext) -> bool:
 
 
 def _cuda_reason(ctx: RankContext, nccl: bool = False) -> Optional[str]:
-    """Why this rank cannot run a CUDA backend here; None if it can.
+    """Why this rank cannot run a CUDA peer here; None if it can.
 
     Ranks share GPUs round-robin when there are fewer than ranks (the GPU
     machines of this project have one); NCCL then needs a recent version.
@@ -130,21 +130,6 @@ def _cuda_device(ctx: RankContext) -> torch.device:
     if _shares_gpu(ctx):
         os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     return device
-
-
-@contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Sets environment variables for the duration of the block, then restores them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 class _TorchGroupCalls:
@@ -177,7 +162,7 @@ class _TorchGroupCalls:
             torch.cuda.synchronize(self.device)
 
 
-class GlooBackend(_TorchGroupCalls):
+class GlooPeer(_TorchGroupCalls):
     """torch.distributed's default group, which the worker creates with gloo.
 
     The same group carries the benchmark's bookkeeping (max of timings, sum of
@@ -196,19 +181,19 @@ class GlooBackend(_TorchGroupCalls):
         return None
 
     @classmethod
-    def open(cls, ctx: RankContext) -> "GlooBackend":
+    def open(cls, ctx: RankContext) -> "GlooPeer":
         if dist.get_backend() != "gloo":
-            raise RuntimeError("the gloo backend needs the default group to be a gloo group")
+            raise RuntimeError("the gloo peer needs the default group to be a gloo group")
         return cls()
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
         return None
 
     def close(self) -> None:
-        """Nothing to do: the default group outlives the backends."""
+        """Nothing to do: the default group outlives the peers."""
 
 
-class TorchNcclBackend(_TorchGroupCalls):
+class TorchNcclPeer(_TorchGroupCalls):
     """torch.distributed's NCCL, one GPU per rank."""
 
     name: ClassVar[str] = "nccl"
@@ -226,7 +211,7 @@ class TorchNcclBackend(_TorchGroupCalls):
         return reason
 
     @classmethod
-    def open(cls, ctx: RankContext) -> "TorchNcclBackend":
+    def open(cls, ctx: RankContext) -> "TorchNcclPeer":
         device = _cuda_device(ctx)
         return cls(dist.new_group(backend="nccl", timeout=ctx.timeout), device)
 
@@ -237,7 +222,7 @@ class TorchNcclBackend(_TorchGroupCalls):
         dist.destroy_process_group(self._group)
 
 
-class _PyddpBackend:
+class _PyddpPeer:
     """A pyddp ProcessGroup of one transport (``_transport``) and algorithm (``_algo``).
 
     The algorithm is chosen the way a user chooses it, with PYDDP_ALGO, which
@@ -268,10 +253,10 @@ class _PyddpBackend:
         return None
 
     @classmethod
-    def open(cls, ctx: RankContext) -> "_PyddpBackend":
+    def open(cls, ctx: RankContext) -> "_PyddpPeer":
         device = _cuda_device(ctx) if cls._cuda else torch.device("cpu")
         env = {"PYDDP_ALGO": cls._algo} if cls._algo else {}
-        with _environ(**env):
+        with temporary_environ(env):
             group = pyddp.new_group(cls._transport, store=ctx.store(cls.name), rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=ctx.timeout)
         return cls(group, device)
@@ -306,7 +291,7 @@ class _PyddpBackend:
         pyddp.destroy_process_group(self._group)
 
 
-class PyddpShmBackend(_PyddpBackend):
+class PyddpShmPeer(_PyddpPeer):
     """pyddp over shared memory (CPU tensors)."""
 
     name = "pyddp"
@@ -314,7 +299,7 @@ class PyddpShmBackend(_PyddpBackend):
     _cuda = False
 
 
-class PyddpIpcRingBackend(_PyddpBackend):
+class PyddpIpcRingPeer(_PyddpPeer):
     """pyddp over CUDA IPC, ring algorithm."""
 
     name = "pyddp_ipc_ring"
@@ -323,7 +308,7 @@ class PyddpIpcRingBackend(_PyddpBackend):
     _cuda = True
 
 
-class PyddpIpcDirectBackend(_PyddpBackend):
+class PyddpIpcDirectPeer(_PyddpPeer):
     """pyddp over CUDA IPC, direct (one-shot) algorithm."""
 
     name = "pyddp_ipc_direct"
@@ -332,7 +317,7 @@ class PyddpIpcDirectBackend(_PyddpBackend):
     _cuda = True
 
 
-class PyddpNcclBackend(_PyddpBackend):
+class PyddpNcclPeer(_PyddpPeer):
     """NCCL's collectives through pyddp's NcclBackend."""
 
     name = "pyddp_nccl"
@@ -340,7 +325,7 @@ class PyddpNcclBackend(_PyddpBackend):
     _cuda = True
 
 
-class PyddpNcclRingBackend(_PyddpBackend):
+class PyddpNcclRingPeer(_PyddpPeer):
     """pyddp's ring over NCCL send/recv (the path across hosts)."""
 
     name = "pyddp_nccl_ring"
@@ -369,12 +354,12 @@ def mpi_launchable() -> Optional[str]:
     return None
 
 
-class MpiBackend:
+class MpiPeer:
     """MPI through mpi4py (CPU tensors as numpy views); needs ranks started by mpirun.
 
     MPI_Init in a process that mpirun did not start makes a one-rank
     COMM_WORLD (a singleton), so the launcher starts every rank with mpirun
-    when this backend is wanted; under torchrun it is skipped.
+    when this peer is wanted; under torchrun it is skipped.
     """
 
     name: ClassVar[str] = "mpi"
@@ -401,7 +386,7 @@ class MpiBackend:
         return reason
 
     @classmethod
-    def open(cls, ctx: RankContext) -> "MpiBackend":
+    def open(cls, ctx: RankContext) -> "MpiPeer":
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
@@ -453,7 +438,7 @@ class MpiBackend:
         self._comm.Free()
 
 
-class DeepSpeedShmBackend:
+class DeepSpeedShmPeer:
     """DeepSpeed's CPU shared-memory all-reduce (``torch.ops.deepspeed.inference_all_reduce_``).
 
     Built on first use by DeepSpeed's ShareMemCommBuilder (ninja JIT, cached
@@ -489,12 +474,12 @@ class DeepSpeedShmBackend:
             return "deepspeed is not installed"
         try:
             cls._load()
-        except Exception as error:  # any build failure makes the backend unavailable
+        except Exception as error:  # any build failure makes the peer unavailable
             return f"DeepSpeed's shm op could not be built: {error}"
         return None
 
     @classmethod
-    def open(cls, ctx: RankContext) -> "DeepSpeedShmBackend":
+    def open(cls, ctx: RankContext) -> "DeepSpeedShmPeer":
         import deepspeed
 
         module = cls._load()
@@ -502,8 +487,8 @@ class DeepSpeedShmBackend:
         if ctx.rank == 0:
             store.set("token", secrets.token_hex(8))
         token = store.get("token").decode()
-        with _environ(LOCAL_SIZE=str(ctx.world_size), MASTER_ADDR="pyddp.bench",
-                      MASTER_PORT=token):
+        with temporary_environ({"LOCAL_SIZE": str(ctx.world_size), "MASTER_ADDR": "pyddp.bench",
+                                "MASTER_PORT": token}):
             module.initialize(ctx.world_size, ctx.rank)
         # initialize() returns once this rank has mapped every peer's segment;
         # after the barrier every rank has, so the names can go.
@@ -552,13 +537,13 @@ class DeepSpeedShmBackend:
         """Nothing to do: DeepSpeed keeps its mapping until the process exits."""
 
 
-BACKENDS: dict[str, type] = {
+PEERS: dict[str, type] = {
     cls.name: cls for cls in (
-        PyddpShmBackend, GlooBackend, MpiBackend, DeepSpeedShmBackend,
-        TorchNcclBackend, PyddpIpcRingBackend, PyddpIpcDirectBackend, PyddpNcclBackend,
-        PyddpNcclRingBackend)
+        PyddpShmPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer,
+        TorchNcclPeer, PyddpIpcRingPeer, PyddpIpcDirectPeer, PyddpNcclPeer,
+        PyddpNcclRingPeer)
 }
-"""Every backend the tool knows, CPU ones first, in table order."""
+"""Every peer the tool knows, CPU ones first, in table order."""
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
-"""The peer every backend on a device is compared with by default."""
+"""The peer every other peer on a device is compared with by default."""

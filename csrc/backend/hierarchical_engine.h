@@ -1,0 +1,151 @@
+// HierarchicalEngine: a CPU group whose ranks span hosts (backend/layout.h),
+// composed of engines that exist: pyddp's shm engine inside each host and
+// torch's gloo between hosts. pyddp writes no network transport.
+//
+// Layouts (chosen from the host map, the same on every rank):
+//   Even      every host has K > 1 ranks. all_reduce = reduce-scatter of
+//             the tensor (padded to K shards) inside each host, all-reduce
+//             of each shard across hosts among the ranks holding it (one
+//             gloo group per local rank, so every rank's link is busy at
+//             once), all-gather of the shards inside each host. all_gather
+//             and broadcast compose the same way.
+//   Leaders   hosts have different numbers of ranks: reduce to each host's
+//             leader (its lowest rank), all-reduce among the leaders, and
+//             broadcast from the leader inside each host.
+//   Gloo      one rank on every host: gloo alone.
+// Every other operation (reduce, gather, scatter, all-to-all, point-to-
+// point, reduce-scatter in the Leaders and Gloo layouts) goes to a gloo
+// group of every rank, where composing does not pay.
+//
+// Agreement: before each collective, its descriptor's words are MAX-
+// reduced inside the host (shm) and across hosts (gloo), so a mismatch
+// anywhere fails every rank. Failure: a rank whose collective failed
+// publishes why under the group's store; ranks waiting in gloo look at it
+// while they wait, so a rank dead on another host is named within
+// milliseconds of its host's peers noticing, and at worst at the timeout.
+//
+// Results are identical on every rank: each element is reduced once, in a
+// fixed order for a given placement (inside a host in ring order, across
+// hosts in gloo's), and every rank copies the same bits. They may differ
+// in the last bits of floating-point sums from a one-host run's order.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "backend/engine.h"
+#include "backend/layout.h"
+#include "common/config.h"
+#include "common/descriptor.h"
+
+namespace pyddp {
+
+class CpuExecutor;
+class RingEngine;
+
+// Makes a gloo group of `size` ranks on `store` (torch's ProcessGroupGloo,
+// which this extension cannot construct itself: gloo's headers do not ship
+// with torch).
+using CrossHostFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout)>;
+
+class HierarchicalEngine final : public Engine {
+ public:
+  enum class Shape { Even, Leaders, Gloo };
+
+  // Blocks until every group of the composition is connected.
+  HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     const RingOptions& options, const HostMap& hosts,
+                     const CrossHostFactory& gloo);
+  ~HierarchicalEngine() override;
+
+  const std::string getBackendName() const override { return "pyddp"; }
+  Shape shape() const { return shape_; }
+  // "hierarchical (2 hosts x 2 ranks: ...)" for the log.
+  std::string describeLayout() const;
+
+  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
+  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
+                          const CallOptions& call) override;
+  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                        const CallOptions& call) override;
+  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
+  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                              const CallOptions& call) override;
+  WorkPtr barrierAll(const CallOptions& call) override;
+  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
+                   const CallOptions& call) override;
+  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
+                   const CallOptions& call) override;
+  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+                      const CallOptions& call) override;
+  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
+                         const std::vector<int64_t>& outputSplits,
+                         const std::vector<int64_t>& inputSplits,
+                         const CallOptions& call) override;
+  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
+                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
+  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
+                             const CallOptions& call) override;
+  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs,
+                             const CallOptions& call) override;
+  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
+                                 const std::vector<at::Tensor>& inputs, RedOp op,
+                                 const CallOptions& call) override;
+  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
+                 const CallOptions& call) override;
+  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
+                   const CallOptions& call) override;
+
+  void shutdown() override;
+
+ private:
+  const Executor& executor() const override;
+  // One composed collective: `run` does its steps on the executor's thread.
+  WorkPtr submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+                 std::vector<at::Tensor> uses, std::function<void()> run,
+                 const CallOptions& call);
+  // Every rank called the same collective (local, then across hosts).
+  void agree(const CollectiveDesc& desc);
+  // Waits for a gloo Work, failing at once when a rank published why it
+  // gave up, and at `deadline` naming the ranks of `group`.
+  void await(const WorkPtr& work, const char* what, const std::vector<int>& group);
+  // The steps, on contiguous buffers; op is never AVG (the caller divides).
+  void allReduceSteps(const at::Tensor& buf, RedOp op);
+  void allGatherSteps(const at::Tensor& out, const at::Tensor& in);
+  void broadcastSteps(const at::Tensor& buf, int src);
+  // Flat-gloo collectives on the executor, for what does not compose.
+  WorkPtr onFlat(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+                 std::vector<at::Tensor> uses, std::function<WorkPtr(c10d::Backend&)> call,
+                 std::function<void()> finish, const CallOptions& options);
+  [[noreturn]] void failed(const std::string& why);
+  // Runs and waits for a collective of this host's shm engine; its errors
+  // name the group's ranks (that engine numbers this host's ranks from 0).
+  void local(const std::function<WorkPtr()>& start);
+  std::string translate(const std::string& localMessage) const;
+
+  const RingOptions options_;
+  const HostMap hosts_;
+  const c10::intrusive_ptr<c10d::Store> store_;
+  const int host_;
+  const int local_;
+  const int localSize_;
+  Shape shape_;
+  // The engines of the composition. localEngine_ spans this host's ranks;
+  // cross_ the ranks with this local rank on every host (Even) or the host
+  // leaders (Leaders, only on leaders); flat_ every rank.
+  c10::intrusive_ptr<RingEngine> localEngine_;
+  c10::intrusive_ptr<c10d::Backend> cross_;
+  std::vector<int> crossRanks_;  // cross_'s members, by their rank in it
+  c10::intrusive_ptr<c10d::Backend> flat_;
+  std::unique_ptr<CpuExecutor> executor_;
+  Clock::time_point deadline_;  // of the collective running on the executor
+};
+
+} // namespace pyddp

@@ -1,0 +1,484 @@
+#include "transport/shm_channel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "common/blob.h"
+#include "common/check.h"
+#include "transport/wait_policy.h"
+
+namespace pyddp {
+namespace shm {
+namespace {
+
+// How often a receiver whose sender has not made the channel yet asks the
+// directory (a store round trip) for it.
+constexpr auto kLookupPeriod = std::chrono::milliseconds(1);
+
+std::string channelKey(int src, int dst) {
+  return "p2p/" + std::to_string(src) + "-" + std::to_string(dst);
+}
+
+void writeText(char* to, size_t capacity, const std::string& text) {
+  const size_t n = std::min(text.size(), capacity - 1);
+  std::memcpy(to, text.data(), n);
+  to[n] = '\0';
+}
+
+std::string readText(const char* from, size_t capacity) {
+  return std::string(from, strnlen(from, capacity));
+}
+
+} // namespace
+
+ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
+                         std::shared_ptr<Directory> directory,
+                         std::function<std::string(int peer)> deadPeer)
+    : rank_(rank),
+      size_(size),
+      slotBytes_(slotBytes),
+      numSlots_(numSlots),
+      directory_(std::move(directory)),
+      deadPeer_(std::move(deadPeer)),
+      outs_(size),
+      ins_(size) {}
+
+ShmMessages::~ShmMessages() {
+  abort("rank " + std::to_string(rank_) + ": the process group was destroyed");
+  for (auto& out : outs_) {
+    if (out) out->segment.unlink();  // dst never mapped it: nobody else will
+  }
+}
+
+std::string ShmMessages::who() const {
+  return "rank " + std::to_string(rank_);
+}
+
+std::string ShmMessages::describe(const Op& op) const {
+  return std::string(op.send ? "send to" : "recv from") + " rank " + std::to_string(op.peer) +
+      " (tag " + std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes of " +
+      toString(op.dtype) + ")";
+}
+
+char* ShmMessages::slot(ChannelHeader* h, uint64_t piece) const {
+  const size_t stride = sizeof(PieceHeader) + slotBytes_;
+  return reinterpret_cast<char*>(h) + sizeof(ChannelHeader) + (piece % numSlots_) * stride;
+}
+
+ShmMessages::Out& ShmMessages::out(int peer) {
+  if (outs_[peer]) return *outs_[peer];
+  auto o = std::make_unique<Out>();
+  const size_t bytes =
+      sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
+  o->segment = Segment::create(newSegmentName(), bytes, who());
+  auto* h = new (o->segment.base()) ChannelHeader{};
+  h->magic = kChannelMagic;
+  h->layoutVersion = kChannelLayoutVersion;
+  h->src = rank_;
+  h->dst = peer;
+  h->numSlots = numSlots_;
+  h->slotBytes = slotBytes_;
+  o->header = h;
+  directory_->publish(channelKey(rank_, peer), BlobWriter()
+                                                   .put("segment", o->segment.name())
+                                                   .put("bytes", bytes)
+                                                   .put("slot_bytes", slotBytes_)
+                                                   .put("num_slots", numSlots_)
+                                                   .str());
+  outs_[peer] = std::move(o);
+  return *outs_[peer];
+}
+
+ShmMessages::In& ShmMessages::in(int peer) {
+  if (!ins_[peer]) ins_[peer] = std::make_unique<In>();
+  return *ins_[peer];
+}
+
+bool ShmMessages::connect(int peer, In& in) {
+  const auto now = Clock::now();
+  if (now < in.nextLookup) return false;
+  in.nextLookup = now + kLookupPeriod;
+  const auto blob = directory_->lookup(channelKey(peer, rank_));
+  if (!blob) return false;
+  const std::string what = "rank " + std::to_string(peer) + "'s channel to " + who();
+  const BlobReader r(*blob, what);
+  const auto bytes = r.get<size_t>("bytes");
+  const auto slotBytes = r.get<size_t>("slot_bytes");
+  const auto numSlots = r.get<int>("num_slots");
+  PYDDP_CHECK(slotBytes == slotBytes_ && numSlots == numSlots_ &&
+                  bytes == sizeof(ChannelHeader) +
+                      static_cast<size_t>(numSlots) * (sizeof(PieceHeader) + slotBytes),
+              who(), ": ", what, " has another geometry (", bytes, " bytes, ", numSlots,
+              " slots of ", slotBytes, " bytes): set PYDDP_SLOT_BYTES and PYDDP_NUM_SLOTS "
+              "alike on all ranks");
+  in.segment = Segment::open(r.str("segment"), bytes, /*writable=*/true, who());
+  Segment::remove(in.segment.name());  // both ends have it mapped now
+  auto* h = static_cast<ChannelHeader*>(in.segment.base());
+  PYDDP_CHECK(h->magic == kChannelMagic && h->layoutVersion == kChannelLayoutVersion &&
+                  h->src == peer && h->dst == rank_,
+              who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
+  in.header = h;
+  return true;
+}
+
+uint64_t ShmMessages::postSend(int peer, int64_t tag, DataType dtype, const void* data,
+                               size_t bytes, Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = nextId_++;
+  Op& op = ops_[id];
+  op = Op{true, peer, tag, dtype, static_cast<char*>(const_cast<void*>(data)), bytes};
+  op.deadline = deadline;
+  Out& o = out(peer);
+  if (o.failed) {
+    finish(id, op, State::Failed, o.failure);
+  } else {
+    o.queue.push_back(id);
+  }
+  return id;
+}
+
+uint64_t ShmMessages::postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
+                               Clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = nextId_++;
+  Op& op = ops_[id];
+  op = Op{false, peer, tag, dtype, static_cast<char*>(data), bytes};
+  op.deadline = deadline;
+  In& i = in(peer);
+  ++i.pending;
+  if (i.failed) {
+    finish(id, op, State::Failed, i.failure);
+    return id;
+  }
+  i.posted.push_back(id);
+  takeAside(peer, i, id);
+  return id;
+}
+
+void ShmMessages::finish(uint64_t id, Op& op, State state, const std::string& why) {
+  if (op.state != State::Pending) return;
+  op.state = state;
+  op.why = why;
+  if (!op.send) {
+    In& i = *ins_[op.peer];
+    --i.pending;
+    i.posted.erase(std::remove(i.posted.begin(), i.posted.end(), id), i.posted.end());
+    if (i.currentOp == id) i.currentOp = 0;
+  }
+}
+
+bool ShmMessages::judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total) {
+  Op& recv = ops_.at(recvId);
+  Verdict& v = in.header->verdicts[m % kVerdictRing];
+  recv.message = m;
+  if (recv.dtype == dtype && recv.bytes == total) {
+    v.value.store(2 * m, std::memory_order_release);
+    return true;
+  }
+  const std::string why = who() + ": " + describe(recv) + " does not match what rank " +
+      std::to_string(recv.peer) + " sent (" + std::to_string(total) + " bytes of " +
+      toString(dtype) + "); a send and its recv must agree on size and dtype";
+  writeText(v.text, kVerdictTextBytes, why);
+  v.value.store(2 * m + 1, std::memory_order_release);
+  finish(recvId, recv, State::Failed, why);
+  return false;
+}
+
+void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
+  Op& recv = ops_.at(recvId);
+  for (auto it = in.aside.begin(); it != in.aside.end(); ++it) {
+    Aside& a = **it;
+    if (a.claimedBy != 0 || a.tag != recv.tag) continue;
+    in.posted.erase(std::remove(in.posted.begin(), in.posted.end(), recvId), in.posted.end());
+    const bool accepted = judge(in, a.message, recvId, a.dtype, a.data.size());
+    const bool complete = a.arrived == a.data.size();
+    if (accepted && !complete) {
+      a.claimedBy = recvId;
+      return;
+    }
+    if (accepted) {
+      std::memcpy(recv.data, a.data.data(), a.data.size());
+      recv.moved = a.data.size();
+      finish(recvId, recv, State::Done);
+    }
+    if (in.currentAside == &a) in.currentAside = nullptr;  // refused: drop the rest
+    in.aside.erase(it);
+    return;
+  }
+}
+
+void ShmMessages::arrive(int peer, In& in, const PieceHeader& piece) {
+  in.current = piece.message;
+  in.currentOp = 0;
+  in.currentAside = nullptr;
+  const DataType dtype = static_cast<DataType>(piece.dtype);
+  for (uint64_t id : in.posted) {
+    if (ops_.at(id).tag != piece.tag) continue;
+    in.posted.erase(std::find(in.posted.begin(), in.posted.end(), id));
+    if (judge(in, piece.message, id, dtype, piece.total)) in.currentOp = id;
+    return;
+  }
+  auto a = std::make_unique<Aside>();
+  a->message = piece.message;
+  a->tag = piece.tag;
+  a->dtype = dtype;
+  a->data.resize(piece.total);
+  in.currentAside = a.get();
+  in.aside.push_back(std::move(a));
+}
+
+bool ShmMessages::progressOut(int peer, Out& o) {
+  if (o.failed) return false;
+  ChannelHeader* h = o.header;
+  bool moved = false;
+  // Verdicts first: a receiver that took a message and then gave up on the
+  // channel (its group was destroyed) did take that message.
+  const bool dstFailed = h->dstFailed.value.load(std::memory_order_acquire) != 0;
+  // verdicts of messages fully posted
+  for (auto it = o.verdict.begin(); it != o.verdict.end();) {
+    const uint64_t m = it->first;
+    const Verdict& v = h->verdicts[m % kVerdictRing];
+    const uint64_t value = v.value.load(std::memory_order_acquire);
+    if (value != 2 * m && value != 2 * m + 1) {
+      ++it;
+      continue;
+    }
+    Op& op = ops_.at(it->second);
+    if (value == 2 * m) {
+      finish(it->second, op, State::Done);
+    } else {
+      finish(it->second, op, State::Failed, readText(v.text, kVerdictTextBytes));
+    }
+    it = o.verdict.erase(it);
+    moved = true;
+  }
+  if (dstFailed) {
+    failOut(peer, o, readText(h->dstFailureText, kChannelFailureTextBytes), false);
+    return true;
+  }
+  // pieces of the queued sends, in order
+  while (!o.queue.empty()) {
+    const uint64_t id = o.queue.front();
+    Op& op = ops_.at(id);
+    if (op.message == 0) {
+      const bool ringFull = !o.verdict.empty() &&
+          o.verdict.begin()->first + kVerdictRing <= o.nextMessage;
+      if (ringFull) break;
+      op.message = o.nextMessage++;
+    } else {
+      // Refused after its first piece: the receiver drops the rest, and
+      // moves on at the next message's first piece.
+      const Verdict& v = h->verdicts[op.message % kVerdictRing];
+      if (v.value.load(std::memory_order_acquire) == 2 * op.message + 1) {
+        finish(id, op, State::Failed, readText(v.text, kVerdictTextBytes));
+        o.queue.pop_front();
+        moved = true;
+        continue;
+      }
+    }
+    const uint64_t k = o.sent;
+    if (k >= static_cast<uint64_t>(numSlots_) &&
+        h->consumed.value.load(std::memory_order_acquire) < k + 1 - numSlots_) {
+      break;
+    }
+    char* s = slot(h, k);
+    const size_t n = std::min(slotBytes_, op.bytes - op.moved);
+    *reinterpret_cast<PieceHeader*>(s) =
+        PieceHeader{op.message, op.moved, n, op.bytes, op.tag, static_cast<int32_t>(op.dtype)};
+    std::memcpy(s + sizeof(PieceHeader), op.data + op.moved, n);
+    op.moved += n;
+    h->posted.value.store(++o.sent, std::memory_order_release);
+    moved = true;
+    if (op.moved == op.bytes) {
+      o.verdict.emplace(op.message, id);
+      o.queue.pop_front();
+    }
+  }
+  return moved;
+}
+
+bool ShmMessages::progressIn(int peer, In& in) {
+  if (in.failed || in.pending == 0) return false;
+  if (!in.header && !connect(peer, in)) return false;
+  ChannelHeader* h = in.header;
+  // Pieces posted before the sender gave up are still good: read them
+  // first.
+  const bool srcFailed = h->srcFailed.value.load(std::memory_order_acquire) != 0;
+  bool moved = false;
+  while (in.pending > 0 && h->posted.value.load(std::memory_order_acquire) > in.received) {
+    const char* s = slot(h, in.received);
+    const PieceHeader piece = *reinterpret_cast<const PieceHeader*>(s);
+    if (piece.message != in.current) arrive(peer, in, piece);
+    const char* payload = s + sizeof(PieceHeader);
+    if (in.currentOp != 0) {
+      Op& recv = ops_.at(in.currentOp);
+      std::memcpy(recv.data + piece.offset, payload, piece.bytes);
+      recv.moved += piece.bytes;
+      if (recv.moved == recv.bytes) finish(in.currentOp, recv, State::Done);
+    } else if (in.currentAside != nullptr) {
+      Aside& a = *in.currentAside;
+      std::memcpy(a.data.data() + piece.offset, payload, piece.bytes);
+      a.arrived += piece.bytes;
+      if (a.arrived == a.data.size() && a.claimedBy != 0) {
+        const uint64_t id = a.claimedBy;
+        Op& recv = ops_.at(id);
+        std::memcpy(recv.data, a.data.data(), a.data.size());
+        recv.moved = a.data.size();
+        finish(id, recv, State::Done);
+        in.currentAside = nullptr;
+        in.aside.erase(std::find_if(in.aside.begin(), in.aside.end(),
+                                    [&](const auto& p) { return p.get() == &a; }));
+      }
+    }
+    h->consumed.value.store(++in.received, std::memory_order_release);
+    moved = true;
+  }
+  if (srcFailed && in.pending > 0) {
+    failIn(peer, in, readText(h->srcFailureText, kChannelFailureTextBytes), false);
+    return true;
+  }
+  return moved;
+}
+
+void ShmMessages::failOut(int peer, Out& o, const std::string& why, bool tellPeer) {
+  if (o.failed) return;
+  o.failed = true;
+  o.failure = why;
+  if (tellPeer && o.header) {
+    writeText(o.header->srcFailureText, kChannelFailureTextBytes, why);
+    o.header->srcFailed.value.store(1, std::memory_order_release);
+  }
+  for (auto& [id, op] : ops_) {
+    if (op.send && op.peer == peer) finish(id, op, State::Failed, why);
+  }
+  o.queue.clear();
+  o.verdict.clear();
+}
+
+void ShmMessages::failIn(int peer, In& in, const std::string& why, bool tellPeer) {
+  if (in.failed) return;
+  in.failed = true;
+  in.failure = why;
+  if (tellPeer && in.header) {
+    writeText(in.header->dstFailureText, kChannelFailureTextBytes, why);
+    in.header->dstFailed.value.store(1, std::memory_order_release);
+  }
+  for (auto& [id, op] : ops_) {
+    if (!op.send && op.peer == peer) finish(id, op, State::Failed, why);
+  }
+  in.posted.clear();
+  in.aside.clear();
+  in.currentAside = nullptr;
+}
+
+void ShmMessages::expire(Clock::time_point now) {
+  std::unordered_map<int, std::string> deadPeers;  // each peer looked at once
+  for (auto& [id, op] : ops_) {
+    if (op.state != State::Pending) continue;
+    if (!deadPeers.count(op.peer)) deadPeers[op.peer] = deadPeer_(op.peer);
+    const std::string& dead = deadPeers[op.peer];
+    const bool late = now >= op.deadline;
+    if (op.send) {
+      // A send whose receiver died cannot get its verdict.
+      if (!late && dead.empty()) continue;
+    } else {
+      // A receive may still take what its sender posted before it died.
+      const In& i = *ins_[op.peer];
+      const bool drained = !i.header || i.header->posted.value.load(std::memory_order_acquire) ==
+                                            i.received;
+      if (!late && (dead.empty() || !drained)) continue;
+    }
+    const std::string why = who() + ": " + describe(op) + (late ? " did not complete within "
+                                                                  "its timeout: "
+                                                                : " cannot complete: ") +
+        (!dead.empty() ? dead
+                       : "rank " + std::to_string(op.peer) +
+                             (op.send ? " has not received it" : " has not sent it"));
+    // Half a message in the channel leaves it out of step: the peer must
+    // learn, and the channel is done.
+    if (op.send) {
+      Out& o = *outs_[op.peer];
+      if (op.message != 0 || !dead.empty()) {
+        failOut(op.peer, o, why, true);
+      } else {
+        o.queue.erase(std::find(o.queue.begin(), o.queue.end(), id));
+        finish(id, op, State::Failed, why);
+      }
+    } else {
+      In& i = *ins_[op.peer];
+      if (op.message != 0 || !dead.empty()) {
+        failIn(op.peer, i, why, true);
+      } else {
+        finish(id, op, State::Failed, why);
+      }
+    }
+  }
+}
+
+bool ShmMessages::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool moved = false;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (outs_[peer]) moved |= progressOut(peer, *outs_[peer]);
+    if (ins_[peer]) moved |= progressIn(peer, *ins_[peer]);
+  }
+  const auto now = Clock::now();
+  if (now >= nextExpiry_) {
+    expire(now);
+    nextExpiry_ = now + Backoff::kCheckPeriod;
+  }
+  return moved;
+}
+
+MessageLink::State ShmMessages::poll(uint64_t id, std::string* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = ops_.find(id);
+  PYDDP_CHECK(it != ops_.end(), who(), ": no message operation #", id);
+  if (why) *why = it->second.why;
+  return it->second.state;
+}
+
+void ShmMessages::release(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = ops_.find(id);
+  if (it != ops_.end() && it->second.state != State::Pending) ops_.erase(it);
+}
+
+void ShmMessages::wait(const std::vector<uint64_t>& ids) {
+  Backoff backoff;
+  while (true) {
+    const bool moved = progress();
+    std::string failure;
+    bool pending = false;
+    for (uint64_t id : ids) {
+      std::string why;
+      const State state = poll(id, &why);
+      pending |= state == State::Pending;
+      if (state == State::Failed && failure.empty()) failure = why;
+    }
+    if (!failure.empty() || !pending) {
+      for (uint64_t id : ids) {
+        if (poll(id, nullptr) != State::Pending) release(id);
+      }
+      PYDDP_CHECK_COMM(failure.empty(), failure);
+      return;
+    }
+    if (moved) {
+      backoff.restart();
+    } else {
+      backoff.pause();
+    }
+  }
+}
+
+void ShmMessages::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (outs_[peer]) failOut(peer, *outs_[peer], why, true);
+    if (ins_[peer]) failIn(peer, *ins_[peer], why, true);
+  }
+}
+
+} // namespace shm
+} // namespace pyddp

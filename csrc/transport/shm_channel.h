@@ -1,0 +1,225 @@
+// Point-to-point messages over shared memory (ShmMessages, the shm
+// transport's MessageLink): one channel per ordered pair of ranks
+// (src -> dst), created by src on its first send to dst, so a group maps
+// only the channels it uses.
+//
+// A channel is one segment, created by src and mapped read-write by dst:
+//
+//   [ ChannelHeader | slots: numSlots x (PieceHeader + slotBytes) ]
+//
+// Ownership: src writes the slots, `posted` and `srcFailed` (+ text); dst
+// writes `consumed`, the verdicts and `dstFailed` (+ text). The rest of the
+// header is written once by src before the segment is published. dst
+// unlinks the name as soon as it has mapped the segment; src unlinks it at
+// teardown if dst never did.
+//
+// Protocol. Messages are numbered 1, 2, ... per channel in src's send order
+// and stream through the slots piece by piece; every piece carries its
+// message's number, tag, dtype, total size and offset (a message of 0
+// bytes is one empty piece). Counters only increase.
+//  - Pieces (as the ring link of shm.h): src writes piece k into slot
+//    k % numSlots once consumed >= k + 1 - numSlots, then stores
+//    posted = k + 1 (release); dst reads piece k once posted >= k + 1
+//    (acquire), then stores consumed = k + 1 (release).
+//  - Matching (dst): a message goes to the oldest posted receive from src
+//    with its tag; a message that no posted receive wants is copied aside
+//    until one is posted. So messages of one tag are received in send
+//    order, and tags in any order.
+//  - Verdicts (dst -> src): when dst matches message m it stores
+//    verdict[m % kVerdictRing] = 2m, or 2m + 1 with the reason in its text
+//    when the receive wants another size or dtype (then nothing is copied,
+//    and both sides fail). A send finishes once all its pieces are posted
+//    and its verdict is 2m: only when a receive took it, as gloo's sends.
+//    src starts message m only after it has read the verdict of
+//    m - kVerdictRing, so no verdict is overwritten before src read it.
+//  - Failure: a side that gives up on a channel with an operation half
+//    done (a timeout, teardown) writes its reason, then stores its failed
+//    flag (release); the other side fails every operation on the channel
+//    with that reason (acquire). A failed channel stays failed.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/shm.h"
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
+
+namespace pyddp {
+namespace shm {
+
+constexpr uint64_t kChannelMagic = 0x7079646470326331ull;  // "pyddp2c1"
+constexpr uint32_t kChannelLayoutVersion = 1;
+// Messages of a channel that may wait for their verdict at once; more wait
+// to start. A receiver that takes them out of order (by tag) takes at most
+// this many ahead of the one it waits for.
+constexpr int kVerdictRing = 64;
+constexpr size_t kVerdictTextBytes = 248;
+constexpr size_t kChannelFailureTextBytes = 448;
+
+struct alignas(kCacheLine) Verdict {
+  std::atomic<uint64_t> value;  // 2m accepted, 2m + 1 refused
+  char text[kVerdictTextBytes];
+};
+static_assert(sizeof(Verdict) == 256);
+
+struct alignas(kCacheLine) PieceHeader {
+  uint64_t message;
+  uint64_t offset;  // of this piece in the message, in bytes
+  uint64_t bytes;   // in this piece
+  uint64_t total;   // of the message
+  int64_t tag;
+  int32_t dtype;
+};
+static_assert(sizeof(PieceHeader) == kCacheLine);
+static_assert(offsetof(PieceHeader, tag) == 32 && offsetof(PieceHeader, dtype) == 40);
+
+struct alignas(kCacheLine) ChannelHeader {
+  // Written once by src before the segment is published.
+  uint64_t magic;
+  uint32_t layoutVersion;
+  int32_t src;
+  int32_t dst;
+  int32_t numSlots;
+  uint64_t slotBytes;
+  Counter posted;     // src: pieces written
+  Counter consumed;   // dst: pieces read
+  Counter srcFailed;  // src gave up on the channel; text in srcFailureText
+  Counter dstFailed;  // dst gave up on the channel; text in dstFailureText
+  char srcFailureText[kChannelFailureTextBytes];
+  char dstFailureText[kChannelFailureTextBytes];
+  Verdict verdicts[kVerdictRing];  // dst
+};
+static_assert(std::is_standard_layout_v<ChannelHeader>);
+static_assert(offsetof(ChannelHeader, magic) == 0 && offsetof(ChannelHeader, src) == 12 &&
+              offsetof(ChannelHeader, slotBytes) == 24 &&
+              offsetof(ChannelHeader, posted) == 64 && offsetof(ChannelHeader, consumed) == 128 &&
+              offsetof(ChannelHeader, srcFailed) == 192 &&
+              offsetof(ChannelHeader, dstFailed) == 256 &&
+              offsetof(ChannelHeader, srcFailureText) == 320 &&
+              offsetof(ChannelHeader, dstFailureText) == 768 &&
+              offsetof(ChannelHeader, verdicts) == 1216 &&
+              sizeof(ChannelHeader) == 1216 + 256 * kVerdictRing);
+
+class ShmMessages final : public MessageLink {
+ public:
+  // `deadPeer(p)` is "" while rank p's process lives (or cannot be seen),
+  // else which rank exited: for naming why an operation cannot finish.
+  ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
+              std::shared_ptr<Directory> directory,
+              std::function<std::string(int peer)> deadPeer);
+  // Tells the peers of every channel with operations pending, then unmaps.
+  ~ShmMessages() override;
+
+  uint64_t postSend(int peer, int64_t tag, DataType dtype, const void* data, size_t bytes,
+                    Clock::time_point deadline) override;
+  uint64_t postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
+                    Clock::time_point deadline) override;
+  bool progress() override;
+  State poll(uint64_t id, std::string* why) override;
+  void release(uint64_t id) override;
+  void wait(const std::vector<uint64_t>& ids) override;
+  void abort(const std::string& why) override;
+
+ private:
+  struct Op {
+    bool send = false;
+    int peer = -1;
+    int64_t tag = 0;
+    DataType dtype = DataType::UInt8;
+    char* data = nullptr;
+    size_t bytes = 0;
+    size_t moved = 0;      // bytes posted (send) or copied (recv)
+    uint64_t message = 0;  // the channel's number for it, once known
+    Clock::time_point deadline;
+    State state = State::Pending;
+    std::string why;
+  };
+  // A message that arrived before a receive wanted it.
+  struct Aside {
+    uint64_t message;
+    int64_t tag;
+    DataType dtype;
+    std::vector<char> data;
+    size_t arrived = 0;
+    uint64_t claimedBy = 0;  // the receive that took it, once posted
+  };
+  // This rank's end of the channel to `peer` (this rank is src).
+  struct Out {
+    Segment segment;
+    ChannelHeader* header = nullptr;
+    uint64_t sent = 0;          // pieces posted; mirrors header->posted
+    uint64_t nextMessage = 1;
+    std::deque<uint64_t> queue;            // sends not fully posted, in order
+    std::map<uint64_t, uint64_t> verdict;  // message -> send awaiting its verdict
+    bool failed = false;
+    std::string failure;
+  };
+  // This rank's end of the channel from `peer` (this rank is dst).
+  struct In {
+    Segment segment;
+    ChannelHeader* header = nullptr;
+    Clock::time_point nextLookup{};
+    uint64_t received = 0;     // pieces read; mirrors header->consumed
+    std::deque<uint64_t> posted;  // receives not yet matched, in post order
+    // The message whose pieces are arriving: into a receive, aside, or
+    // nowhere (refused).
+    uint64_t current = 0;
+    uint64_t currentOp = 0;
+    Aside* currentAside = nullptr;
+    std::deque<std::unique_ptr<Aside>> aside;  // in arrival order
+    size_t pending = 0;        // receives from this peer not finished
+    bool failed = false;
+    std::string failure;
+  };
+
+  char* slot(ChannelHeader* h, uint64_t piece) const;
+  std::string who() const;
+  std::string describe(const Op& op) const;
+
+  // Channel ends, made on first use. mu_ held.
+  Out& out(int peer);
+  In& in(int peer);
+  bool connect(int peer, In& in);
+
+  bool progressOut(int peer, Out& out);
+  bool progressIn(int peer, In& in);
+  // Matches message (from a piece header) to a receive, or puts it aside.
+  void arrive(int peer, In& in, const PieceHeader& piece);
+  // `recv` takes the oldest message put aside with its tag, if any.
+  void takeAside(int peer, In& in, uint64_t recv);
+  // Refuses or accepts message m for receive `recvId`; returns whether
+  // accepted.
+  bool judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total);
+  void finish(uint64_t id, Op& op, State state, const std::string& why = "");
+  // Fails every pending operation of the channel; tells the peer when
+  // `tellPeer` (this side gave up).
+  void failOut(int peer, Out& out, const std::string& why, bool tellPeer);
+  void failIn(int peer, In& in, const std::string& why, bool tellPeer);
+  // Fails operations past their deadline. mu_ held.
+  void expire(Clock::time_point now);
+
+  const int rank_;
+  const int size_;
+  const size_t slotBytes_;
+  const int numSlots_;
+  const std::shared_ptr<Directory> directory_;
+  const std::function<std::string(int)> deadPeer_;
+
+  std::mutex mu_;
+  uint64_t nextId_ = 1;
+  std::unordered_map<uint64_t, Op> ops_;
+  std::vector<std::unique_ptr<Out>> outs_;  // by peer, made on first use
+  std::vector<std::unique_ptr<In>> ins_;
+  Clock::time_point nextExpiry_{};
+};
+
+} // namespace shm
+} // namespace pyddp
