@@ -260,6 +260,8 @@ def _interrupted(ctx: RankContext, how: str) -> tuple:
     pg = ctx.groups[f"int-{how}"]
     if ctx.rank == 1:
         time.sleep(3.0)  # rank 0 is interrupted at 1 s
+        if how == "queued":
+            pg.barrier()  # the calls rank 0 makes: rank 0 arrived at it, then gave up
         start = time.monotonic()
         message = _raises(dist.DistBackendError, "rank 0 gave up", pg.all_reduce, torch.ones(10))
         return message, time.monotonic() - start

@@ -166,25 +166,27 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
               " before the process group connected");
   PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
               " on a process group that was destroyed");
-  ++issued_;
   const bool onWorker = std::this_thread::get_id() == queue_->workerId;
-  const bool sync = !asyncOp && !onWorker;
-  if (sync) {
-    PYDDP_CHECK(queue_->syncCaller == std::thread::id(), "rank ", rank_, ": ",
-                toString(c.desc.kind), " refused: another thread is inside a synchronous "
-                "collective on this process group. A group is used from one thread at a time "
-                "(as in torch.distributed): collectives of two threads would pair up across "
-                "ranks in whatever order the threads reach them");
-    queue_->syncCaller = std::this_thread::get_id();
+  uint64_t ticket = 0;  // this call's turn as the synchronous caller; 0: none
+  if (!asyncOp && !onWorker) {
+    PYDDP_CHECK(queue_->syncTicket == 0, "rank ", rank_, ": ", toString(c.desc.kind),
+                " refused: another thread is inside a synchronous collective on this process "
+                "group. A group is used from one thread at a time (as in torch.distributed): "
+                "collectives of two threads would pair up across ranks in whatever order the "
+                "threads reach them");
+    ticket = queue_->syncTicket = queue_->nextTicket++;
   }
+  ++issued_;  // not before the refusal: a refused call issues nothing
   // An interrupted waiter gives up on the group: the running collective
   // fails at once (its waits are aborted) and tells the peers why, and
-  // no later one runs.
+  // no later one runs. A synchronous caller that gave up is no longer
+  // inside its call, though its job has yet to be refused.
   std::weak_ptr<Queue> weak = queue_;
-  auto giveUp = [weak](const std::string& why) {
+  auto giveUp = [weak, ticket](const std::string& why) {
     const auto queue = weak.lock();
     if (!queue) return;
     std::lock_guard<std::mutex> lock(queue->mu);
+    if (ticket != 0 && queue->syncTicket == ticket) queue->syncTicket = 0;
     if (queue->stop || !queue->gaveUp.empty()) return;
     queue->gaveUp = why;
     try {
@@ -198,7 +200,7 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
   };
   auto work = c10::make_intrusive<CpuWork>(rank_, c.desc.kind, std::move(c.outputs),
                                            queue_->workerId, nullptr, "", std::move(giveUp));
-  Job job{std::move(c), work, sync};
+  Job job{std::move(c), work, ticket};
   if (!asyncOp && onWorker) {
     // A future callback (on the worker, inside the job that just finished
     // its transfer) waits for this call: queueing it would deadlock.
@@ -218,9 +220,9 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
 }
 
 void CpuExecutor::endSync(const Job& job) {
-  if (!job.sync) return;
+  if (job.syncTicket == 0) return;
   std::lock_guard<std::mutex> lock(queue_->mu);
-  queue_->syncCaller = std::thread::id();
+  if (queue_->syncTicket == job.syncTicket) queue_->syncTicket = 0;
 }
 
 void CpuExecutor::run(Job& job) {

@@ -67,7 +67,9 @@ class CpuExecutor final : public Executor {
   struct Job {
     Collective collective;
     c10::intrusive_ptr<CpuWork> work;
-    bool sync;  // a synchronous call of a thread other than the worker
+    // A synchronous call of a thread other than the worker: its turn
+    // (Queue::syncTicket while in flight); 0 otherwise.
+    uint64_t syncTicket;
   };
   // Queue and worker state, shared with the worker thread and with the
   // Works (which may outlive the executor) so that it stays valid when the
@@ -83,8 +85,12 @@ class CpuExecutor final : public Executor {
     // Set by start(), then only read: under mu by a Work's give-up (which
     // checks stop first), without it by the running job and shutdown().
     Hooks hooks;
-    // mu; the thread whose synchronous call is in flight, if any.
-    std::thread::id syncCaller;
+    // mu; the synchronous call in flight (another thread's is refused):
+    // its ticket, from nextTicket; 0 while none. Cleared when its job ends
+    // or its waiter gives up; a ticket, not a thread id, so that a late
+    // end of an abandoned call cannot clear a newer call's turn.
+    uint64_t syncTicket = 0;
+    uint64_t nextTicket = 1;
     // mu; why this rank gave up on the group (an interrupted waiter).
     std::string gaveUp;
     bool exited = false;  // mu; the worker left its loop
