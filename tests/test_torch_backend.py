@@ -246,6 +246,9 @@ def _per_call_timeout(ctx: RankContext) -> str:
             backend.allreduce([torch.ones(4)], opts).wait()
         return str(error.value)
     finally:
+        # The other ranks keep the group until rank 0 timed out: a rank that
+        # destroys it tells rank 0 at once, which is not what this tests.
+        dist.barrier(group=ctx.state["gloo"])
         dist.destroy_process_group(group)
 
 
