@@ -296,6 +296,56 @@ def test_ctrl_c_interrupts_a_waiting_rank_and_its_peers_learn_at_once(two, how):
     assert "refused: an earlier collective failed" in later0, later0
 
 
+def _interrupted_in_messages(ctx: RankContext, how: str) -> tuple:
+    """Rank 0 is interrupted in a recv that rank 1 has not sent yet, or inside an
+    all-to-all (a collective of messages) that rank 1 has not entered yet."""
+    pg = ctx.groups[f"int-{how}"]
+    if ctx.rank == 1:
+        time.sleep(3.0)  # rank 0 is interrupted at 1 s
+        start = time.monotonic()
+        if how == "recv":
+            pg.send(torch.full((4,), 7.0), 0)
+            return "sent", time.monotonic() - start
+        message = _raises(dist.DistBackendError, "rank 0 gave up", pg.all_to_all_single,
+                          torch.zeros(2), torch.ones(2))
+        return message, time.monotonic() - start
+    start = time.monotonic()
+    try:
+        if how == "recv":
+            pg.recv(torch.zeros(4), 1)
+        else:
+            pg.all_to_all_single(torch.zeros(2), torch.ones(2))
+    except KeyboardInterrupt:
+        elapsed = time.monotonic() - start
+    else:
+        raise AssertionError("rank 0 was not interrupted")
+    if how == "recv":
+        # Nothing of the interrupted recv had moved: the pair's channel still works.
+        t = torch.zeros(4)
+        pg.recv(t, 1)
+        return t.tolist(), elapsed
+    return _raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10)), elapsed
+
+
+@pytest.mark.parametrize("how", ["recv", "all_to_all"])
+def test_ctrl_c_interrupts_a_rank_waiting_for_messages(two, how):
+    two.run(_make_group, f"int-{how}")
+    timer = threading.Timer(1.0, os.kill, args=(two.pid(0), signal.SIGINT))
+    timer.start()
+    try:
+        (result0, elapsed0), (result1, elapsed1) = two.run(_interrupted_in_messages, how,
+                                                           timeout=60)
+    finally:
+        timer.cancel()
+    assert elapsed0 < 2.0, elapsed0  # sent at about 1 s
+    assert elapsed1 < 1.0, (result1, elapsed1)
+    if how == "recv":
+        assert result0 == [7.0] * 4 and result1 == "sent", (result0, result1)
+    else:
+        assert "interrupted" in result1, result1
+        assert "refused: an earlier collective failed" in result0, result0
+
+
 def _interrupted_in_bootstrap(ctx: RankContext, path: str) -> float:
     start = time.monotonic()
     try:

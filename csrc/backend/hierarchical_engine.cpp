@@ -12,6 +12,7 @@
 #include "backend/ring_engine.h"
 #include "common/check.h"
 #include "common/descriptor.h"
+#include "common/interrupt.h"
 
 namespace pyddp {
 namespace {
@@ -162,6 +163,10 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
         failed(c10::str("rank ", rank_, ": ", what, " across hosts stopped: another rank gave "
                         "up: ", std::string(why.begin(), why.end())));
       }
+    }
+    if (interruptRequested()) {
+      failed(c10::str("rank ", rank_, ": interrupted while ", what, " across hosts",
+                      others(group, rank_), " was running"));
     }
     if (now >= deadline_) {
       failed(c10::str("rank ", rank_, ": ", what, " across hosts", others(group, rank_),

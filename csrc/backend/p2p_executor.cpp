@@ -113,7 +113,15 @@ c10::intrusive_ptr<c10d::Work> P2pExecutor::post(CollectiveKind kind, const std:
         const auto core = weak.lock();
         return core ? drive(core) : false;
       },
-      what);
+      what,
+      // An interrupted waiter gives up on this operation only; the next
+      // drive() settles its Work.
+      [weak, id](const std::string& why) {
+        const auto core = weak.lock();
+        if (!core) return;
+        std::lock_guard<std::mutex> lock(core->mu);
+        if (core->link) core->link->cancel(id, why);
+      });
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     core_->pending.push_back(Pending{id, work, std::move(keep), std::move(finish)});

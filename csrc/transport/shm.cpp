@@ -255,10 +255,19 @@ void ShmTransport::connected() {
 MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
   if (!messages_) {
     messages_ = std::make_unique<ShmMessages>(
-        rank_, worldSize_, slotBytes_, numSlots_, std::move(directory), [this](int peer) {
+        rank_, worldSize_, slotBytes_, numSlots_, std::move(directory),
+        [this](int peer) {
           return peerAlive(peer) ? std::string()
                                  : "rank " + std::to_string(peer) + " (pid " +
                   std::to_string(segments_[peer].pid) + ") exited";
+        },
+        [this](int peer) {
+          const SegmentHeader& h = header(peer);
+          const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire);
+          return failedIn == 0 ? std::string()
+                               : "rank " + std::to_string(peer) + " gave up on collective #" +
+                  std::to_string(failedIn) + ": " +
+                  std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes));
         });
   }
   return messages_.get();
@@ -359,6 +368,17 @@ void ShmTransport::abandon(const std::string& why) {
   // arrived, not current_: this may run on another thread than enter().
   const uint64_t seq = own.arrived.value.load(std::memory_order_relaxed);
   own.failed.value.store(std::max<uint64_t>(seq, 1), std::memory_order_release);
+}
+
+void ShmTransport::abort() {
+  aborted_.store(true, std::memory_order_relaxed);
+  if (!messages_) return;
+  const SegmentHeader* own = segments_[rank_].header;
+  const bool gaveUp = own && own->failed.value.load(std::memory_order_acquire) != 0;
+  messages_->abort(gaveUp ? std::string(own->failureText,
+                                        strnlen(own->failureText, kFailureTextBytes))
+                          : "rank " + std::to_string(rank_) +
+                                ": the process group was destroyed");
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {

@@ -148,7 +148,9 @@ class ShmTransport final : public Transport,
   LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
   void abandon(const std::string& why) override;
-  void abort() override { aborted_.store(true, std::memory_order_relaxed); }
+  // Also fails the pending point-to-point operations (messages()), with
+  // the reason this rank gave up if it did.
+  void abort() override;
   // "" while every peer's process lives (or cannot be seen from here), else
   // which rank exited: for transports that wait elsewhere (on a GPU).
   std::string deadPeer() const;
@@ -228,7 +230,9 @@ class ShmTransport final : public Transport,
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
   std::atomic<bool> abandoned_{false};  // the failure text is (being) written
-  std::unique_ptr<ShmMessages> messages_;  // made by the first messages()
+  // Made by the first messages(), which the engine calls before any other
+  // thread sees this transport (abort() reads it from any thread).
+  std::unique_ptr<ShmMessages> messages_;
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter

@@ -6,6 +6,7 @@
 
 #include "common/blob.h"
 #include "common/check.h"
+#include "common/interrupt.h"
 #include "transport/wait_policy.h"
 
 namespace pyddp {
@@ -34,13 +35,15 @@ std::string readText(const char* from, size_t capacity) {
 
 ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
                          std::shared_ptr<Directory> directory,
-                         std::function<std::string(int peer)> deadPeer)
+                         std::function<std::string(int peer)> deadPeer,
+                         std::function<std::string(int peer)> gaveUp)
     : rank_(rank),
       size_(size),
       slotBytes_(slotBytes),
       numSlots_(numSlots),
       directory_(std::move(directory)),
       deadPeer_(std::move(deadPeer)),
+      gaveUp_(std::move(gaveUp)),
       outs_(size),
       ins_(size) {}
 
@@ -395,24 +398,69 @@ void ShmMessages::expire(Clock::time_point now) {
         (!dead.empty() ? dead
                        : "rank " + std::to_string(op.peer) +
                              (op.send ? " has not received it" : " has not sent it"));
-    // Half a message in the channel leaves it out of step: the peer must
-    // learn, and the channel is done.
-    if (op.send) {
-      Out& o = *outs_[op.peer];
-      if (op.message != 0 || !dead.empty()) {
-        failOut(op.peer, o, why, true);
-      } else {
-        o.queue.erase(std::find(o.queue.begin(), o.queue.end(), id));
-        finish(id, op, State::Failed, why);
-      }
+    giveUp(id, op, why, !dead.empty());
+  }
+}
+
+void ShmMessages::giveUp(uint64_t id, Op& op, const std::string& why, bool peerDead) {
+  // Half a message in the channel leaves it out of step: the peer must
+  // learn, and the channel is done.
+  if (op.send) {
+    Out& o = *outs_[op.peer];
+    if (op.message != 0 || peerDead) {
+      failOut(op.peer, o, why, true);
     } else {
-      In& i = *ins_[op.peer];
-      if (op.message != 0 || !dead.empty()) {
-        failIn(op.peer, i, why, true);
-      } else {
-        finish(id, op, State::Failed, why);
-      }
+      o.queue.erase(std::find(o.queue.begin(), o.queue.end(), id));
+      finish(id, op, State::Failed, why);
     }
+  } else {
+    In& i = *ins_[op.peer];
+    if (op.message != 0 || peerDead) {
+      failIn(op.peer, i, why, true);
+    } else {
+      finish(id, op, State::Failed, why);
+    }
+  }
+}
+
+std::string ShmMessages::peerGaveUp(const std::vector<uint64_t>& ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    const auto it = ops_.find(id);
+    if (it == ops_.end() || it->second.state != State::Pending) continue;
+    std::string why = gaveUp_(it->second.peer);
+    if (!why.empty()) return who() + ": " + describe(it->second) + " cannot complete: " + why;
+  }
+  return "";
+}
+
+std::string ShmMessages::interrupted(const std::vector<uint64_t>& ids) {
+  if (!interruptRequested()) return "";
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    const auto it = ops_.find(id);
+    if (it != ops_.end() && it->second.state == State::Pending) {
+      return who() + ": interrupted while waiting for " + describe(it->second);
+    }
+  }
+  return "";
+}
+
+void ShmMessages::giveUpOn(const std::vector<uint64_t>& ids, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    const auto it = ops_.find(id);
+    if (it != ops_.end() && it->second.state == State::Pending) {
+      giveUp(id, it->second, why, false);
+    }
+  }
+}
+
+void ShmMessages::cancel(uint64_t id, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = ops_.find(id);
+  if (it != ops_.end() && it->second.state == State::Pending) {
+    giveUp(id, it->second, why, false);
   }
 }
 
@@ -447,7 +495,11 @@ void ShmMessages::release(uint64_t id) {
 
 void ShmMessages::wait(const std::vector<uint64_t>& ids) {
   Backoff backoff;
+  bool lookAtPeers = false;
   while (true) {
+    // A peer's give-up is read before moving what can move: what it did
+    // before giving up (a verdict, the last piece) is then seen first.
+    const std::string gaveUp = lookAtPeers ? peerGaveUp(ids) : "";
     const bool moved = progress();
     std::string failure;
     bool pending = false;
@@ -456,6 +508,12 @@ void ShmMessages::wait(const std::vector<uint64_t>& ids) {
       const State state = poll(id, &why);
       pending |= state == State::Pending;
       if (state == State::Failed && failure.empty()) failure = why;
+    }
+    if (failure.empty() && pending) {
+      failure = gaveUp.empty() ? interrupted(ids) : gaveUp;
+      // The collective is abandoned: its operations half done fail their
+      // channels, so the peers waiting on them learn at once.
+      if (!failure.empty()) giveUpOn(ids, failure);
     }
     if (!failure.empty() || !pending) {
       for (uint64_t id : ids) {
@@ -466,8 +524,9 @@ void ShmMessages::wait(const std::vector<uint64_t>& ids) {
     }
     if (moved) {
       backoff.restart();
+      lookAtPeers = false;
     } else {
-      backoff.pause();
+      lookAtPeers = backoff.pause();
     }
   }
 }

@@ -33,7 +33,7 @@
 //    src starts message m only after it has read the verdict of
 //    m - kVerdictRing, so no verdict is overwritten before src read it.
 //  - Failure: a side that gives up on a channel with an operation half
-//    done (a timeout, teardown) writes its reason, then stores its failed
+//    done (a timeout, an interrupt, teardown) writes its reason, then stores its failed
 //    flag (release); the other side fails every operation on the channel
 //    with that reason (acquire). A failed channel stays failed.
 #pragma once
@@ -112,9 +112,13 @@ class ShmMessages final : public MessageLink {
  public:
   // `deadPeer(p)` is "" while rank p's process lives (or cannot be seen),
   // else which rank exited: for naming why an operation cannot finish.
+  // `gaveUp(p)` is "" until rank p gave up on the group's collectives (the
+  // shm transport's failed flag), then why: wait() (collectives) stops on
+  // it, the user's point-to-point operations do not.
   ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
               std::shared_ptr<Directory> directory,
-              std::function<std::string(int peer)> deadPeer);
+              std::function<std::string(int peer)> deadPeer,
+              std::function<std::string(int peer)> gaveUp);
   // Tells the peers of every channel with operations pending, then unmaps.
   ~ShmMessages() override;
 
@@ -127,6 +131,7 @@ class ShmMessages final : public MessageLink {
   void release(uint64_t id) override;
   void wait(const std::vector<uint64_t>& ids) override;
   void abort(const std::string& why) override;
+  void cancel(uint64_t id, const std::string& why) override;
 
  private:
   struct Op {
@@ -205,6 +210,16 @@ class ShmMessages final : public MessageLink {
   void failIn(int peer, In& in, const std::string& why, bool tellPeer);
   // Fails operations past their deadline. mu_ held.
   void expire(Clock::time_point now);
+  // Fails pending operation `id` with `why`; with its channel (telling the
+  // peer) when part of its message moved or the peer is dead, since the
+  // channel is then out of step. mu_ held.
+  void giveUp(uint64_t id, Op& op, const std::string& why, bool peerDead);
+  // What wait() stops on: "" while nothing, else why. A peer of a pending
+  // operation of `ids` that gave up; the caller's interrupt.
+  std::string peerGaveUp(const std::vector<uint64_t>& ids);
+  std::string interrupted(const std::vector<uint64_t>& ids);
+  // Gives up on the pending operations of `ids` with `why`.
+  void giveUpOn(const std::vector<uint64_t>& ids, const std::string& why);
 
   const int rank_;
   const int size_;
@@ -212,6 +227,7 @@ class ShmMessages final : public MessageLink {
   const int numSlots_;
   const std::shared_ptr<Directory> directory_;
   const std::function<std::string(int)> deadPeer_;
+  const std::function<std::string(int)> gaveUp_;
 
   std::mutex mu_;
   uint64_t nextId_ = 1;

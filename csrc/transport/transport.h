@@ -124,10 +124,17 @@ class MessageLink {
   // Forgets a finished operation.
   virtual void release(uint64_t id) = 0;
   // Blocks, driving progress, until every operation of `ids` finished;
-  // throws the first failure (DistBackendError). Releases them.
+  // throws the first failure (DistBackendError). Releases them. For the
+  // collectives built on messages: it also ends, giving up on what is
+  // pending, when the caller is interrupted or a peer of a pending
+  // operation gave up on the group's collectives.
   virtual void wait(const std::vector<uint64_t>& ids) = 0;
   // Fails every pending operation with `why`, and tells the peers.
   virtual void abort(const std::string& why) = 0;
+  // Gives up on one pending operation (its waiter was interrupted) as on
+  // one past its deadline: it fails with `why`, and so does its channel,
+  // telling the peer, when part of its message has moved.
+  virtual void cancel(uint64_t id, const std::string& why) = 0;
 };
 
 // A transport connects this rank to all others in two phases: setup()
