@@ -9,6 +9,7 @@ afterwards, with bounded waits, and that nothing is left in /dev/shm.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -133,6 +134,52 @@ def test_rank_killed_before_publishing_its_blob_is_named_at_once_and_leaves_no_s
     assert elapsed < 20, elapsed
     assert not _exists(dead), f"rank 1's segment {dead} was left in {SHM}"
     assert not _exists(own)
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _channel_survivor(ctx: RankContext, path: str, victim_pid: int) -> bool:
+    store = dist.FileStore(path, ctx.world_size)
+    pg = _group(ctx, store, name="channel")
+    store.wait(["victim's channel"], datetime.timedelta(seconds=30))
+    segment = store.get("victim's channel").decode()
+    deadline = time.monotonic() + 30
+    while not _dead(victim_pid):
+        assert time.monotonic() < deadline, "rank 1 did not die"
+        time.sleep(0.01)
+    left = _exists(segment)  # rank 1 made it and died before rank 0 mapped it
+    pg.shutdown()
+    del ctx.groups["channel"], pg  # the engines go, and with them the channels
+    gc.collect()
+    return left, _exists(segment)
+
+
+def _channel_victim(ctx: RankContext, path: str, victim_pid: int) -> None:
+    store = Recording(dist.FileStore(path, ctx.world_size))
+    pg = _group(ctx, store, name="channel")
+    pg.isend(torch.ones(1000), 0)  # makes the channel to rank 0, which never receives
+    reserved = [v for k, v in store.values.items() if k.endswith("/p2p-reserved/1-0")]
+    assert len(reserved) == 1 and _exists(reserved[0].decode()), store.values.keys()
+    store.set("victim's channel", reserved[0])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_channel_whose_sender_died_is_reclaimed_by_its_receiver():
+    pool = Ranks(2)
+    try:
+        path = os.path.join(pool.tmpdir, "store")
+        reclaimed, died = pool.run_each([_channel_survivor, _channel_victim], path, pool.pid(1),
+                                        allow_dead=True, timeout=60)
+    finally:
+        pool.close()
+    assert isinstance(died, Died) and died.exitcode == -signal.SIGKILL, died
+    assert reclaimed == (True, False), reclaimed
 
 
 def test_ranks_that_never_reach_the_store_are_named():

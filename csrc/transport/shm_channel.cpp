@@ -21,6 +21,11 @@ std::string channelKey(int src, int dst) {
   return "p2p/" + std::to_string(src) + "-" + std::to_string(dst);
 }
 
+// The name src will give the channel, published before the segment exists.
+std::string reservationKey(int src, int dst) {
+  return "p2p-reserved/" + std::to_string(src) + "-" + std::to_string(dst);
+}
+
 void writeText(char* to, size_t capacity, const std::string& text) {
   const size_t n = std::min(text.size(), capacity - 1);
   std::memcpy(to, text.data(), n);
@@ -52,6 +57,27 @@ ShmMessages::~ShmMessages() {
   for (auto& out : outs_) {
     if (out) out->segment.unlink();  // dst never mapped it: nobody else will
   }
+  reclaimDead();
+}
+
+void ShmMessages::reclaimDead() noexcept {
+  std::vector<bool> dead(size_);
+  for (int p = 0; p < size_; ++p) dead[p] = p != rank_ && !deadPeer_(p).empty();
+  for (int src = 0; src < size_; ++src) {
+    if (!dead[src]) continue;
+    for (int dst = 0; dst < size_; ++dst) {
+      // A live dst other than this rank may still map it, to read what src
+      // posted before it died; it reclaims it at its own teardown.
+      if (dst == src || (dst != rank_ && !dead[dst])) continue;
+      try {
+        if (const auto name = directory_->lookup(reservationKey(src, dst))) {
+          Segment::remove(*name);
+        }
+      } catch (const std::exception&) {
+        // The store went with the rank that hosted it: nothing to learn.
+      }
+    }
+  }
 }
 
 std::string ShmMessages::who() const {
@@ -74,7 +100,12 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   auto o = std::make_unique<Out>();
   const size_t bytes =
       sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
-  o->segment = Segment::create(newSegmentName(), bytes, who());
+  // The name is published before the segment exists: if this rank dies
+  // before dst mapped (and unlinked) it, a survivor removes it
+  // (reclaimDead()).
+  const std::string name = newSegmentName();
+  directory_->publish(reservationKey(rank_, peer), name);
+  o->segment = Segment::create(name, bytes, who());
   auto* h = new (o->segment.base()) ChannelHeader{};
   h->magic = kChannelMagic;
   h->layoutVersion = kChannelLayoutVersion;
@@ -303,7 +334,19 @@ bool ShmMessages::progressOut(int peer, Out& o) {
 
 bool ShmMessages::progressIn(int peer, In& in) {
   if (in.failed || in.pending == 0) return false;
-  if (!in.header && !connect(peer, in)) return false;
+  if (!in.header) {
+    // A channel that cannot be mapped (its sender unlinked it at teardown,
+    // the store failed, or a forged value) fails its receives, not the
+    // thread that drives progress.
+    bool connected = false;
+    try {
+      connected = connect(peer, in);
+    } catch (const std::exception& e) {
+      failIn(peer, in, messageOf(e), false);
+      return true;
+    }
+    if (!connected) return false;
+  }
   ChannelHeader* h = in.header;
   // Pieces posted before the sender gave up are still good: read them
   // first.

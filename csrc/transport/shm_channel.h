@@ -9,9 +9,14 @@
 //
 // Ownership: src writes the slots, `posted` and `srcFailed` (+ text); dst
 // writes `consumed`, the verdicts and `dstFailed` (+ text). The rest of the
-// header is written once by src before the segment is published. dst
-// unlinks the name as soon as it has mapped the segment; src unlinks it at
-// teardown if dst never did.
+// header is written once by src before the segment is published. src
+// publishes the segment's name (p2p-reserved/<src>-<dst>) before it creates
+// it; dst unlinks the name as soon as it has mapped the segment; src unlinks
+// it at teardown if dst never did; and if src died first, dst (or any
+// survivor, where dst died too) unlinks it when its ShmMessages is destroyed
+// (with its engine). A channel's
+// segment is mapped only as shm_segment.h's Segment::open() allows (a pyddp
+// name, a 0600 file of this user of the size the geometry implies).
 //
 // Protocol. Messages are numbered 1, 2, ... per channel in src's send order
 // and stream through the slots piece by piece; every piece carries its
@@ -208,6 +213,9 @@ class ShmMessages final : public MessageLink {
   // `tellPeer` (this side gave up).
   void failOut(int peer, Out& out, const std::string& why, bool tellPeer);
   void failIn(int peer, In& in, const std::string& why, bool tellPeer);
+  // Removes the channels that dead ranks made for this rank, or for another
+  // dead rank, from /dev/shm (teardown).
+  void reclaimDead() noexcept;
   // Fails operations past their deadline. mu_ held.
   void expire(Clock::time_point now);
   // Fails pending operation `id` with `why`; with its channel (telling the
