@@ -1,16 +1,18 @@
 """Ranks on simulated hosts, for tests of groups that span machines.
 
-Each simulated host is its own UTS and mount namespace (``unshare --uts --mount
---propagation private``) with another hostname and a private tmpfs on /dev/shm:
-no shared memory passes between hosts, while loopback TCP (torch's stores, gloo)
-still connects them, as separate machines on one network would be. The ranks of
-one host share its namespace. Making namespaces needs root (CI runs as root);
-``why_not()`` says why they cannot be made here, for a skip with the reason.
+Each rank runs in a UTS and mount namespace of its own (``unshare --uts
+--mount --propagation private``) with its host's hostname and its host's
+directory bind-mounted on /dev/shm: ranks of one host share shared memory,
+ranks of different hosts cannot see each other's, while loopback TCP (torch's
+stores, gloo) still connects them, as separate machines on one network would
+be. Making namespaces needs root (CI runs as root); ``why_not()`` says why they
+cannot be made here, for a skip with the reason.
 
-``HostRanks(placement)`` starts one process per rank once, on the hosts the
-placement names, and ``run(fn, *args)`` calls the module-level function
+``HostRanks(placement)`` starts one process per rank once, through pyddp's
+launcher (``pyddp._launch``, which supervises and reaps them), on the hosts
+the placement names, and ``run(fn, *args)`` calls the module-level function
 ``fn(ctx, *args)`` on every rank, as ``harness.Ranks`` does for one host. Every
-wait is bounded; every process is killed by its process group at the end.
+wait is bounded.
 """
 
 from __future__ import annotations
@@ -18,22 +20,18 @@ from __future__ import annotations
 import multiprocessing.connection as mpc
 import os
 import secrets
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-from harness import DEFAULT_CALL_TIMEOUT, START_TIMEOUT, Died, RankContext, RankFailure
+from harness import DEFAULT_CALL_TIMEOUT, Died, RankContext, RankFailure
+from pyddp import _launch
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
-# A private /dev/shm as large as the tests need (segments of a few MiB).
-SHM_SIZE = "512m"
+UNSHARE = ["unshare", "--uts", "--mount", "--propagation", "private"]
 
 
 def why_not() -> Optional[str]:
@@ -42,8 +40,7 @@ def why_not() -> Optional[str]:
         return "unshare (util-linux) is not installed"
     if os.geteuid() != 0:
         return "making mount and UTS namespaces needs root"
-    probe = subprocess.run(["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
-                            "hostname probe && mount -t tmpfs tmpfs /dev/shm"],
+    probe = subprocess.run([*UNSHARE, "sh", "-c", "hostname probe && mount --bind /tmp /dev/shm"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         return f"unshare failed here: {probe.stderr.strip()}"
@@ -56,67 +53,69 @@ class HostRanks:
         """placement[r] names the host of rank r."""
         self.world_size = len(placement)
         self.placement = list(placement)
-        self.tmpdir = tempfile.mkdtemp(prefix="pyddp-hosts-")
-        key = secrets.token_bytes(16)
-        self._key = key
+        self._rendezvous = _launch.Rendezvous(prefix="pyddp-hosts-")
+        self.tmpdir = self._rendezvous.directory
+        self._key = secrets.token_bytes(16)
+        for host in set(placement):
+            os.mkdir(self._shm(host), 0o1777)
+
+        def prefix(rank: int) -> List[str]:
+            # exec: the rank keeps the pid the launcher knows, so kill() reaches it.
+            host = self.placement[rank]
+            script = 'hostname "$1" && mount --bind "$2" /dev/shm && shift 2 && exec "$@"'
+            return [*UNSHARE, "sh", "-c", script, "sh", host, self._shm(host)]
+
         # gloo binds to the address of the hostname, which the simulated
         # hostnames do not have: loopback, said so rather than warned about.
-        child_env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", **(env or {}))
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (TESTS, ROOT, child_env.get("PYTHONPATH")) if p)
-        child_env["PYDDP_TEST_AUTHKEY"] = key.hex()
-        self._hosts: List[subprocess.Popen] = []
-        for host in dict.fromkeys(placement):
-            ranks = [r for r, h in enumerate(placement) if h == host]
-            workers = " ".join(
-                shlex.join([sys.executable, __file__, str(r), str(self.world_size),
-                            self.tmpdir]) + " &" for r in ranks)
-            script = (f"hostname {shlex.quote(host)} && "
-                      f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && "
-                      f"{{ {workers} wait; }}")
-            self._hosts.append(subprocess.Popen(
-                ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script],
-                env=child_env, start_new_session=True, stdin=subprocess.DEVNULL))
+        self._job = _launch.start_commands(
+            [sys.executable, __file__, self.tmpdir], self.world_size, prefix=prefix,
+            log_dir=self.tmpdir,
+            env={"GLOO_SOCKET_IFNAME": "lo", "PYDDP_TEST_AUTHKEY": self._key.hex(), **(env or {})})
         self._conns: List[Any] = [None] * self.world_size
-        self._pids: List[int] = [0] * self.world_size
         try:
             self._accept()
             if setup is not None:
-                self.run(setup, timeout=START_TIMEOUT)
+                self.run(setup, timeout=_launch.STARTUP_SECONDS)
         except BaseException:
             self.close()
             raise
 
+    def _shm(self, host: str) -> str:
+        """The directory that is /dev/shm on ``host``."""
+        return os.path.join(self.tmpdir, f"shm-{host}")
+
     def _accept(self) -> None:
         """Connects to every rank, which says where it listens in a file of tmpdir."""
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + _launch.STARTUP_SECONDS
         for rank in range(self.world_size):
             path = os.path.join(self.tmpdir, f"rank{rank}.address")
             while not os.path.exists(path):
-                if time.monotonic() > deadline or any(h.poll() is not None for h in self._hosts):
-                    raise RankFailure(f"rank {rank} on host {self.placement[rank]} did not start "
-                                      f"within {START_TIMEOUT} s")
-                time.sleep(0.05)
+                code = self._job.exitcode(rank)
+                if code is not None or time.monotonic() > deadline:
+                    raise RankFailure(f"rank {rank} on host {self.placement[rank]} did not "
+                                      f"start (exit code {code}); its output ends:\n"
+                                      f"{self._job.log_tail(rank)}")
+                time.sleep(_launch.POLL_SECONDS)
             with open(path) as f:
                 port = int(f.read())
-            conn = mpc.Client(("127.0.0.1", port), authkey=self._key)
-            self._conns[rank], self._pids[rank] = conn, conn.recv()
+            self._conns[rank] = mpc.Client(("127.0.0.1", port), authkey=self._key)
 
     def _collect(self, timeout: float, what: str, allow_dead: bool) -> List[Any]:
         results: List[Any] = []
         failures = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
-                self.close()
+                self._job.kill()
                 raise RankFailure(f"rank {rank} gave no answer to {what} within {timeout} s")
             try:
                 status, value = conn.recv()
             except EOFError:
-                status, value = "dead", Died(None)
+                status, value = "dead", Died(self._job.exitcode(rank, _launch.EXIT_SECONDS))
             if status == "dead" and allow_dead:
                 results.append(value)
             elif status == "dead":
-                failures.append(f"--- rank {rank} (host {self.placement[rank]}) exited ---")
+                failures.append(f"--- rank {rank} (host {self.placement[rank]}) exited with "
+                                f"code {value.exitcode} ---\n{self._job.log_tail(rank)}")
                 results.append(None)
             elif status == "err":
                 failures.append(f"--- rank {rank} (host {self.placement[rank]}) ---\n{value}")
@@ -139,39 +138,31 @@ class HostRanks:
         return self.run_each([fn] * self.world_size, *args, timeout=timeout)
 
     def kill(self, rank: int) -> None:
-        """SIGKILLs rank ``rank`` (its pid as the rank reported it)."""
+        """SIGKILLs rank ``rank``."""
         try:
-            os.kill(self._pids[rank], signal.SIGKILL)
+            os.kill(self._job.pid(rank), signal.SIGKILL)
         except ProcessLookupError:
             pass
 
     def close(self) -> None:
-        for conn in self._conns:
-            if conn is not None:
+        for rank, conn in enumerate(self._conns):
+            if conn is not None and self._job.exitcode(rank) is None:
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-        for host in self._hosts:
-            try:
-                host.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(host.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            host.wait(10)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self._job.reap(_launch.JOIN_SECONDS)
+        self._rendezvous.close()
 
 
-def _worker(rank: int, world_size: int, tmpdir: str) -> None:
+def _worker(tmpdir: str) -> None:
     """One rank: runs the functions the parent sends until it sends None."""
     import importlib
 
     import torch
 
     torch.set_num_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     key = bytes.fromhex(os.environ["PYDDP_TEST_AUTHKEY"])
     listener = mpc.Listener(("127.0.0.1", 0), authkey=key)
     path = os.path.join(tmpdir, f"rank{rank}.address")
@@ -180,7 +171,6 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> None:
     os.rename(path + ".tmp", path)  # the parent never reads half a port
     conn = listener.accept()
     listener.close()
-    conn.send(os.getpid())
     ctx = RankContext(rank, world_size, tmpdir)
     while True:
         msg = conn.recv()
@@ -197,4 +187,4 @@ def _worker(rank: int, world_size: int, tmpdir: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _worker(sys.argv[1])

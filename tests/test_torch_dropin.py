@@ -170,8 +170,6 @@ def _refusals(ctx: RankContext) -> None:
     group, n = ctx.state["pyddp"], ctx.world_size
 
     cases = [
-        (lambda: dist.all_reduce(torch.ones(2).to_sparse(), group=group),
-         "torch.distributed.all_reduce of a sparse tensor (c10d's allreduce_sparse)"),
         (lambda: dist.all_gather_coalesced([[torch.empty(2) for _ in range(n)]],
                                            [torch.ones(2)], group=group),
          "torch.distributed.all_gather_coalesced (c10d's allgather_coalesced)"),

@@ -82,14 +82,13 @@ def test_pending_operations_are_refused_by_those_c10d_entry_points():
 @pytest.mark.parametrize("outcome, detail, expected", [
     ("passed", "", "passed"),
     ("skipped", "Need at least 2 CUDA devices", "skipped"),
-    ("failed", "NotImplementedError: pyddp: rank 1: torch.distributed.send, isend (c10d's send): "
-               "pyddp's shm engine does not support it", "expected failure"),
+    ("failed", "NotImplementedError: pyddp: rank 1: torch.distributed.all_gather_coalesced "
+               "(c10d's allgather_coalesced): pyddp's shm engine does not support it",
+     "expected failure"),
     ("failed", "AssertionError: tensors differ", "FAILED"),
 ])
-def test_a_pending_operations_test_must_fail_with_pyddps_refusal(outcome, detail, expected,
-                                                                 monkeypatch):
-    monkeypatch.setitem(selection.NOT_IMPLEMENTED_YET, "send/recv", ("send", "recv"))
-    verdict, note = run.classify("pyddp", "test_send_recv",
+def test_a_pending_operations_test_must_fail_with_pyddps_refusal(outcome, detail, expected):
+    verdict, note = run.classify("pyddp", "test_all_gather_coalesced_simple",
                                  {"outcome": outcome, "detail": detail})
     if outcome == "passed":
         # Still listed as not implemented: the list must be updated.
@@ -99,12 +98,11 @@ def test_a_pending_operations_test_must_fail_with_pyddps_refusal(outcome, detail
 
 
 def test_a_landed_operations_tests_must_pass(monkeypatch):
-    monkeypatch.delitem(selection.NOT_IMPLEMENTED_YET, "send/recv")
-    assert run.classify("pyddp", "test_send_recv", {"outcome": "passed", "detail": ""}) == \
-        ("passed", "")
-    refused = "NotImplementedError: pyddp: rank 0: ... (c10d's send): ..."
-    assert run.classify("pyddp", "test_send_recv",
-                        {"outcome": "failed", "detail": refused})[0] == "FAILED"
+    monkeypatch.delitem(selection.NOT_IMPLEMENTED_YET, "all_gather_coalesced")
+    test = "test_all_gather_coalesced_simple"
+    assert run.classify("pyddp", test, {"outcome": "passed", "detail": ""}) == ("passed", "")
+    refused = "NotImplementedError: pyddp: rank 0: ... (c10d's allgather_coalesced): ..."
+    assert run.classify("pyddp", test, {"outcome": "failed", "detail": refused})[0] == "FAILED"
 
 
 def test_known_failures_must_fail_as_known_and_gloo_must_pass():

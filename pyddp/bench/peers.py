@@ -59,6 +59,8 @@ class Peer(Protocol):
     name: str
     device: torch.device
     detail: str
+    checked: bool
+    """Whether its outputs are the collective's, which --check compares with the reference."""
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
         """Why this peer cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
@@ -134,6 +136,8 @@ def _cuda_device(ctx: RankContext) -> torch.device:
 
 class _TorchGroupCalls:
     """Bound collectives through torch.distributed on ``self._group`` (None: the default)."""
+
+    checked: ClassVar[bool] = True
 
     _group: Optional[dist.ProcessGroup]
     device: torch.device
@@ -229,6 +233,8 @@ class _PyddpPeer:
     pyddp reads when the group is created.
     """
 
+    checked: ClassVar[bool] = True
+
     name: ClassVar[str]
     _transport: ClassVar[str]
     _algo: ClassVar[Optional[str]] = None
@@ -318,7 +324,7 @@ class PyddpIpcDirectPeer(_PyddpPeer):
 
 
 class PyddpNcclPeer(_PyddpPeer):
-    """NCCL's collectives through pyddp's NcclBackend."""
+    """NCCL's collectives through pyddp's NcclEngine."""
 
     name = "pyddp_nccl"
     _transport = "nccl"
@@ -361,6 +367,8 @@ class MpiPeer:
     COMM_WORLD (a singleton), so the launcher starts every rank with mpirun
     when this peer is wanted; under torchrun it is skipped.
     """
+
+    checked: ClassVar[bool] = True
 
     name: ClassVar[str] = "mpi"
     device = torch.device("cpu")
@@ -447,6 +455,8 @@ class DeepSpeedShmPeer:
     from a per-run token and unlinked once every rank has mapped them, so
     /dev/shm is left clean. Its state is per process: one group per process.
     """
+
+    checked: ClassVar[bool] = True
 
     name: ClassVar[str] = "deepspeed"
     device = torch.device("cpu")
@@ -537,9 +547,62 @@ class DeepSpeedShmPeer:
         """Nothing to do: DeepSpeed keeps its mapping until the process exits."""
 
 
+class LimitPeer:
+    """Not a library: the memory system's ceiling, measured beside the peers.
+
+    Every rank copies the collective's largest buffer once (torch's copy_,
+    with the threads every peer gets), all ranks at once: no collective can
+    take less time than moving its bytes once, so a peer's time over this one
+    says how far it is from the machine's limit. It computes nothing, so
+    --check leaves it out.
+    """
+
+    name: ClassVar[str] = "limit"
+    device = torch.device("cpu")
+    detail = "every rank copies the largest buffer once, all at once"
+    checked: ClassVar[bool] = False
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        return None
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "LimitPeer":
+        return cls()
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        return None
+
+    @staticmethod
+    def _copy(buffer: torch.Tensor) -> Run:
+        scratch = torch.empty_like(buffer)
+        return lambda: scratch.copy_(buffer)
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        return self._copy(tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        return self._copy(output)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        return self._copy(tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        return self._copy(input)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def sync(self) -> None:
+        """Nothing to do: the copy is done when it returns."""
+
+    def close(self) -> None:
+        """Nothing to do: it holds no group."""
+
+
 PEERS: dict[str, type] = {
     cls.name: cls for cls in (
-        PyddpShmPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer,
+        PyddpShmPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
         TorchNcclPeer, PyddpIpcRingPeer, PyddpIpcDirectPeer, PyddpNcclPeer,
         PyddpNcclRingPeer)
 }
@@ -547,3 +610,6 @@ PEERS: dict[str, type] = {
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 """The peer every other peer on a device is compared with by default."""
+
+CEILINGS = {"cpu": LimitPeer.name}
+"""The peer that measures a device's limit, which every other peer is compared with too."""

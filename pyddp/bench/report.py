@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from pyddp.bench.metrics import Result, Skipped
+from pyddp.bench.peers import CEILINGS
 
 _ROW = "{:>12}  {:>12}  {:>8}  {:>6}  {:>4}  {:>11}  {:>12}  {:>12}  {:>7}"
 
@@ -80,7 +81,9 @@ def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[
             rows = [r for r in of_op if r.peer == name]
             if rows:
                 blocks.append(table(rows))
-        for device, baseline in baselines.items():
+        # Against the baseline, then against the ceiling (below 1: the share of the
+        # machine's memory speed a peer reaches).
+        for device, baseline in [*baselines.items(), *CEILINGS.items()]:
             text = summary([r for r in of_op if r.device == device], peers, baseline)
             if text is not None:
                 blocks.append(text)

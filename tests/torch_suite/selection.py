@@ -16,13 +16,9 @@ WORLD_SIZE = 3
 leaves a rank out. (torch gates its ``*_group`` tests on 8 ranks, too many for 2 cores.)"""
 
 NOT_IMPLEMENTED_YET = {
-    "send/recv": ("send", "recv", "recvAnysource"),
-    "all_to_all": ("alltoall_base", "alltoall"),
-    "coalesced collectives": ("allreduce_coalesced", "allgather_coalesced",
-                              "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-                              "startCoalescing", "endCoalescing"),
+    "all_gather_coalesced": ("allgather_coalesced",),
 }
-"""Operations pyddp does not implement yet, each with the c10d entry points it is refused at.
+"""Operations pyddp does not implement, each with the c10d entry points it is refused at.
 
 A test that needs one runs on pyddp and must fail with pyddp's refusal of one of those
 entry points ("... (c10d's send): ..."). When an operation lands, delete its line here: its
@@ -114,27 +110,27 @@ TESTS = {
     },
     # Point-to-point.
     "send/recv": {
-        "test_send_recv": "send/recv",
-        "test_send_recv_any_source": "send/recv",
-        "test_send_recv_with_tag": "send/recv",
-        "test_send_recv_autograd_profiler": "send/recv",
-        "test_isend": "send/recv",
-        "test_irecv": "send/recv",
-        "test_batch_isend_irecv_gloo": "send/recv",
+        "test_send_recv": None,
+        "test_send_recv_any_source": None,
+        "test_send_recv_with_tag": None,
+        "test_send_recv_autograd_profiler": None,
+        "test_isend": None,
+        "test_irecv": None,
+        "test_batch_isend_irecv_gloo": None,
     },
     # (test_all_to_all, the list form, is left out: gloo fails it at 3 ranks,
     # taking equal sizes only.)
     "all_to_all": {
-        "test_all_to_all_single_equal_split": "all_to_all",
-        "test_all_to_all_single_unequal_split": "all_to_all",
+        "test_all_to_all_single_equal_split": None,
+        "test_all_to_all_single_unequal_split": None,
     },
     "coalesced collectives": {
-        "test_all_reduce_coalesced_sum": "coalesced collectives",
-        "test_all_reduce_coalesced_max": "coalesced collectives",
-        "test_all_reduce_coalesced_full_group_sum": "coalesced collectives",
-        "test_all_gather_coalesced_simple": "coalesced collectives",
-        "test_all_gather_coalesced_with_empty": "coalesced collectives",
-        "test_all_gather_coalesced_full_group": "coalesced collectives",
+        "test_all_reduce_coalesced_sum": None,
+        "test_all_reduce_coalesced_max": None,
+        "test_all_reduce_coalesced_full_group_sum": None,
+        "test_all_gather_coalesced_simple": "all_gather_coalesced",
+        "test_all_gather_coalesced_with_empty": "all_gather_coalesced",
+        "test_all_gather_coalesced_full_group": "all_gather_coalesced",
     },
 }
 
@@ -170,6 +166,9 @@ KNOWN_FAILURES = {
     "test_sparse_all_reduce_sum": (
         "sparse tensors: pyddp reduces dense tensors only",
         "tensor has layout Sparse; only dense (strided) tensors are supported"),
+    "test_send_recv_any_source": (
+        "a recv without a source rank is refused: pyddp's channels are per pair of ranks",
+        "recv without a source rank (src=None) is not supported"),
     "test_monitored_barrier_gloo": (
         "torch.distributed.monitored_barrier refuses every backend but gloo in Python "
         "(distributed_c10d.py), before any backend is asked",
