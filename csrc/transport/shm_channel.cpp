@@ -32,6 +32,12 @@ void writeText(char* to, size_t capacity, const std::string& text) {
   to[n] = '\0';
 }
 
+// An empty message's pointers may be null (an empty tensor's data_ptr()),
+// which memcpy must not be given even for 0 bytes.
+void copyBytes(void* to, const void* from, size_t n) {
+  if (n > 0) std::memcpy(to, from, n);
+}
+
 std::string readText(const char* from, size_t capacity) {
   return std::string(from, strnlen(from, capacity));
 }
@@ -232,7 +238,7 @@ void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
       return;
     }
     if (accepted) {
-      std::memcpy(recv.data, a.data.data(), a.data.size());
+      copyBytes(recv.data, a.data.data(), a.data.size());
       recv.moved = a.data.size();
       finish(recvId, recv, State::Done);
     }
@@ -320,7 +326,7 @@ bool ShmMessages::progressOut(int peer, Out& o) {
     const size_t n = std::min(slotBytes_, op.bytes - op.moved);
     *reinterpret_cast<PieceHeader*>(s) =
         PieceHeader{op.message, op.moved, n, op.bytes, op.tag, static_cast<int32_t>(op.dtype)};
-    std::memcpy(s + sizeof(PieceHeader), op.data + op.moved, n);
+    copyBytes(s + sizeof(PieceHeader), op.data + op.moved, n);
     op.moved += n;
     h->posted.value.store(++o.sent, std::memory_order_release);
     moved = true;
@@ -359,17 +365,17 @@ bool ShmMessages::progressIn(int peer, In& in) {
     const char* payload = s + sizeof(PieceHeader);
     if (in.currentOp != 0) {
       Op& recv = ops_.at(in.currentOp);
-      std::memcpy(recv.data + piece.offset, payload, piece.bytes);
+      copyBytes(recv.data + piece.offset, payload, piece.bytes);
       recv.moved += piece.bytes;
       if (recv.moved == recv.bytes) finish(in.currentOp, recv, State::Done);
     } else if (in.currentAside != nullptr) {
       Aside& a = *in.currentAside;
-      std::memcpy(a.data.data() + piece.offset, payload, piece.bytes);
+      copyBytes(a.data.data() + piece.offset, payload, piece.bytes);
       a.arrived += piece.bytes;
       if (a.arrived == a.data.size() && a.claimedBy != 0) {
         const uint64_t id = a.claimedBy;
         Op& recv = ops_.at(id);
-        std::memcpy(recv.data, a.data.data(), a.data.size());
+        copyBytes(recv.data, a.data.data(), a.data.size());
         recv.moved = a.data.size();
         finish(id, recv, State::Done);
         in.currentAside = nullptr;
