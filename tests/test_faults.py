@@ -591,6 +591,17 @@ JOB_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _readline(p: subprocess.Popen, timeout: float) -> str:
+    """p's next line of output, or a failure after `timeout` seconds (a rank that hangs
+    is killed by the caller's cleanup, which ends the reading thread)."""
+    lines = []
+    reader = threading.Thread(target=lambda: lines.append(p.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert lines, f"no output from pid {p.pid} within {timeout} s (exit code {p.poll()})"
+    return lines[0]
+
+
 def test_ctrl_c_of_the_whole_job():
     world = 3
     path = tempfile.mktemp(prefix="pyddp-job-")
@@ -601,10 +612,10 @@ def test_ctrl_c_of_the_whole_job():
     try:
         segments = []
         for p in procs:
-            line = p.stdout.readline()
+            line = _readline(p, 60)
             assert line.startswith("segment "), (line, p.poll())
             segments.append(line.split()[1])
-            assert p.stdout.readline() == "running\n"
+            assert _readline(p, 60) == "running\n"
         for p in procs:
             p.send_signal(signal.SIGINT)
         start = time.monotonic()
