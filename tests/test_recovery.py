@@ -16,8 +16,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from harness import pyddp_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +24,6 @@ ARGS = ["--epochs", "6", "--checkpoint-every", "10"]
 RUN_SECONDS = 300
 """Bound on one whole training job (about 10 s on an idle 2-core machine)."""
 
-pytest.importorskip("sklearn", reason="examples/train.py needs scikit-learn's digits")
 
 
 def _env() -> dict:
