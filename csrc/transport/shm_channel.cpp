@@ -401,6 +401,9 @@ void ShmMessages::expire(Clock::time_point now) {
       Out& o = *outs_[op.peer];
       if (op.message != 0 || !dead.empty()) {
         failOut(op.peer, o, why, true);
+        // A dead receiver never maps the channel: its name goes now, as this
+        // rank may fail on and never reach its teardown.
+        if (!dead.empty()) o.segment.unlink();
       } else {
         o.queue.erase(std::find(o.queue.begin(), o.queue.end(), id));
         finish(id, op, State::Failed, why);
