@@ -53,6 +53,12 @@ def rendezvous(
         )
     )
     store.set_timeout(timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if scheme == "env" and restart is not None:
+        # torchrun may keep its store across the restarts of a job: the keys of
+        # an earlier attempt (a dead rank's segment name among them) must not be
+        # read as this attempt's.
+        store = dist.PrefixStore(f"pyddp/attempt{restart}", store)
     return store, r, w
 
 

@@ -13,6 +13,7 @@ import zlib
 from typing import List
 
 import torch
+import torch.distributed as dist
 
 import pyddp
 
@@ -78,3 +79,20 @@ def check_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None
             f"{what}: {len(bad)} of {actual.numel()} elements differ; first at {i}: "
             f"got {actual[tuple(i)] if i is not None else '?'}, "
             f"expected {expected[tuple(i)] if i is not None else '?'}")
+
+
+def check_object_collectives(rank: int, n: int) -> None:
+    """torch.distributed's object collectives on the default group, against the objects sent."""
+    objects = [None] * n
+    dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
+    assert objects == [{"rank": r, "text": "x" * r} for r in range(n)], objects
+    box = [f"from {rank}"]
+    dist.broadcast_object_list(box, src=n - 1)
+    assert box == [f"from {n - 1}"], box
+    gathered = [None] * n if rank == 0 else None
+    dist.gather_object(("g", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("g", r) for r in range(n)], gathered
+    got = [None]
+    dist.scatter_object_list(got, [f"s{r}" for r in range(n)] if rank == 0 else None, src=0)
+    assert got == [f"s{rank}"], got

@@ -99,31 +99,7 @@ class Ranks:
             raise
 
     def _collect(self, timeout: float, what: str, allow_dead: bool = False) -> List[Any]:
-        results: List[Any] = []
-        failures = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
-                self.kill()
-                raise RankFailure(f"rank {rank} gave no answer to {what} within {timeout} s")
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "dead", Died(self._job.exitcode(rank, _launch.EXIT_SECONDS))
-            if status == "dead" and allow_dead:
-                results.append(value)
-                continue
-            if status == "dead":
-                failures.append(f"--- rank {rank} exited with code {value.exitcode} ---")
-                results.append(None)
-                continue
-            if status == "err":
-                failures.append(f"--- rank {rank} ---\n{value}")
-                results.append(None)
-            else:
-                results.append(value)
-        if failures:
-            raise RankFailure(f"{what} failed:\n" + "\n".join(failures))
-        return results
+        return collect(self._conns, self._job, timeout, what, allow_dead)
 
     def run(self, fn: Callable, *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT) -> List[Any]:
         """fn(ctx, *args) on every rank; the list of results by rank."""
@@ -154,6 +130,39 @@ class Ranks:
                     pass
         self._job.reap(_launch.JOIN_SECONDS)
         self._rendezvous.close()
+
+
+def collect(conns: List[Any], job: _launch.Job, timeout: float, what: str, allow_dead: bool,
+            label: Callable[[int], str] = lambda rank: f"rank {rank}") -> List[Any]:
+    """Every rank's answer to ``what`` from its connection, by rank.
+
+    A rank that raised, or exited (unless ``allow_dead``: its result is then a
+    ``Died``), fails the call with its traceback or exit code; a rank that does
+    not answer within ``timeout`` seconds gets the job killed.
+    """
+    results: List[Any] = []
+    failures = []
+    for rank, conn in enumerate(conns):
+        if not conn.poll(timeout):
+            job.kill()
+            raise RankFailure(f"{label(rank)} gave no answer to {what} within {timeout} s")
+        try:
+            status, value = conn.recv()
+        except EOFError:
+            status, value = "dead", Died(job.exitcode(rank, _launch.EXIT_SECONDS))
+        if status == "dead" and allow_dead:
+            results.append(value)
+            continue
+        results.append(None if status != "ok" else value)
+        if status == "dead":
+            tail = job.log_tail(rank)
+            failures.append(f"--- {label(rank)} exited with code {value.exitcode} ---"
+                            + ("" if tail is None else f"\n{tail}"))
+        elif status == "err":
+            failures.append(f"--- {label(rank)} ---\n{value}")
+    if failures:
+        raise RankFailure(f"{what} failed:\n" + "\n".join(failures))
+    return results
 
 
 def pyddp_segments() -> List[str]:

@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-from harness import DEFAULT_CALL_TIMEOUT, Died, RankContext, RankFailure
+from harness import DEFAULT_CALL_TIMEOUT, RankContext, RankFailure, collect
 from pyddp import _launch
 
 UNSHARE = ["unshare", "--uts", "--mount", "--propagation", "private"]
@@ -101,30 +101,8 @@ class HostRanks:
             self._conns[rank] = mpc.Client(("127.0.0.1", port), authkey=self._key)
 
     def _collect(self, timeout: float, what: str, allow_dead: bool) -> List[Any]:
-        results: List[Any] = []
-        failures = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
-                self._job.kill()
-                raise RankFailure(f"rank {rank} gave no answer to {what} within {timeout} s")
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "dead", Died(self._job.exitcode(rank, _launch.EXIT_SECONDS))
-            if status == "dead" and allow_dead:
-                results.append(value)
-            elif status == "dead":
-                failures.append(f"--- rank {rank} (host {self.placement[rank]}) exited with "
-                                f"code {value.exitcode} ---\n{self._job.log_tail(rank)}")
-                results.append(None)
-            elif status == "err":
-                failures.append(f"--- rank {rank} (host {self.placement[rank]}) ---\n{value}")
-                results.append(None)
-            else:
-                results.append(value)
-        if failures:
-            raise RankFailure(f"{what} failed:\n" + "\n".join(failures))
-        return results
+        return collect(self._conns, self._job, timeout, what, allow_dead,
+                       lambda rank: f"rank {rank} (host {self.placement[rank]})")
 
     def run_each(self, fns: List[Callable], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
                  allow_dead: bool = False) -> List[Any]:

@@ -8,7 +8,8 @@ with collectives; all-to-all with even, uneven and zero-length splits and over
 lists; gather, scatter and reduce to every root; coalesced all-reduce,
 all-gather and reduce-scatter; subgroups (new_group, new_subgroups, non-members).
 Failures: a receive whose sender never comes fails within the timeout naming
-the sender, a size or dtype mismatch fails on both ranks, split sizes that
+the sender, a send whose receiver died fails naming it and removes its channel's
+name at once (the failing process may never reach its teardown), a size or dtype mismatch fails on both ranks, split sizes that
 disagree fail naming both ranks, and the arguments that make no sense are
 refused at once.
 """
@@ -16,6 +17,7 @@ refused at once.
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import pyddp
 from collective_cases import (DTYPES, ReduceOp, check_equal, dtype_op_pairs, make_input,
                               reference_reduce)
-from harness import RankContext, Ranks
+from harness import Died, RankContext, Ranks, pyddp_segments
 
 COUNTS = [0, 1, 3, 1001]
 BIG = 16 * 1024 * 1024  # float32 elements: 64 MiB
@@ -186,6 +188,30 @@ def test_a_receive_whose_sender_never_comes_fails_naming_it(two):
     message = two.run(_missing_sender)[0]
     assert "recv from rank 1 (tag 9" in message, message
     assert "did not complete within its timeout: rank 1 has not sent it" in message, message
+
+
+def _send_to_the_dead(ctx: RankContext) -> tuple:
+    pg = pyddp.create_group("shm", store=dist.FileStore(ctx.store_path("dead"), 2),
+                            rank=ctx.rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    if ctx.rank == 1:
+        os._exit(3)
+    before = pyddp_segments()
+    with pytest.raises(dist.DistBackendError) as error:
+        pg.send(torch.ones(10), 1, 5)
+    return str(error.value), before, pyddp_segments()
+
+
+def test_a_send_whose_receiver_died_fails_naming_it_and_leaves_no_channel():
+    pool = Ranks(2)
+    try:
+        (message, before, after), died = pool.run_each([_send_to_the_dead] * 2, allow_dead=True)
+        assert isinstance(died, Died) and died.exitcode == 3
+        assert "send to rank 1 (tag 5" in message, message
+        assert f"rank 1 (pid {pool.pid(1)}) exited" in message, message
+        # The channel existed only between the send and its failure.
+        assert after == before, (before, after)
+    finally:
+        pool.close()
 
 
 def _mismatch(ctx: RankContext) -> str:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import pyddp
-from collective_cases import (DTYPES, ReduceOp, check_equal, dtype_op_pairs, make_input,
-                              reference_reduce)
+from collective_cases import (DTYPES, ReduceOp, check_equal, check_object_collectives,
+                              dtype_op_pairs, make_input, reference_reduce)
 from harness import RankContext, Ranks
 
 COUNTS = [0, 1, 1001, 70000]
@@ -132,19 +132,7 @@ def _async_and_objects(ctx: RankContext) -> None:
     check_equal(result, expected, "async all_reduce future")
     assert work.wait() and work.is_completed()
     check_equal(t, expected, "async all_reduce in place")
-    objs = [None] * n
-    dist.all_gather_object(objs, {"rank": rank, "text": "x" * rank})
-    assert objs == [{"rank": r, "text": "x" * r} for r in range(n)], objs
-    box = [f"from {rank}"]
-    dist.broadcast_object_list(box, src=n - 1)
-    assert box == [f"from {n - 1}"], box
-    gathered = [None] * n if rank == 0 else None
-    dist.gather_object(("g", rank), gathered, dst=0)
-    if rank == 0:
-        assert gathered == [("g", r) for r in range(n)], gathered
-    got = [None]
-    dist.scatter_object_list(got, [f"s{r}" for r in range(n)] if rank == 0 else None, src=0)
-    assert got == [f"s{rank}"], got
+    check_object_collectives(rank, n)
     dist.barrier()
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp
-from collective_cases import check_equal, make_input, reference_reduce
+from collective_cases import check_equal, check_object_collectives, make_input, reference_reduce
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                        reference, train, unpack)
 from harness import RankContext, Ranks
@@ -121,19 +121,7 @@ def _objects_and_subgroups(ctx: RankContext) -> None:
     """Object collectives on the default group, and collectives on subgroups of "pyddp"
     made with new_group: one of every rank, one without rank 1."""
     n, rank = ctx.world_size, ctx.rank
-    objects = [None] * n
-    dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
-    assert objects == [{"rank": r, "text": "x" * r} for r in range(n)], objects
-    box = [f"from {rank}"]
-    dist.broadcast_object_list(box, src=n - 1)
-    assert box == [f"from {n - 1}"], box
-    gathered = [None] * n if rank == 0 else None
-    dist.gather_object(("g", rank), gathered, dst=0)
-    if rank == 0:
-        assert gathered == [("g", r) for r in range(n)], gathered
-    got = [None]
-    dist.scatter_object_list(got, [f"s{r}" for r in range(n)] if rank == 0 else None, src=0)
-    assert got == [f"s{rank}"], got
+    check_object_collectives(rank, n)
 
     for members in (list(range(n)), [r for r in range(n) if r != 1]):
         group = dist.new_group(members, backend="pyddp")

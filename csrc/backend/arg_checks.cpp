@@ -25,12 +25,18 @@ DataType ArgChecks::tensor(const at::Tensor& t, const char* call,
                    "bfloat16, int8, uint8, int32, int64");
   return *dtype;
 }
-DataType ArgChecks::single(const char* call, const at::Tensor& output,
-                                  const at::Tensor& input, bool outputIsWhole) const {
+DataType ArgChecks::pair(const at::Tensor& output, const at::Tensor& input,
+                         const char* call) const {
   const DataType dtype = tensor(input, call, "input");
   PYDDP_CHECK_TYPE(tensor(output, call, "output") == dtype, "rank ", rank_, ": ", call,
                    ": output dtype ", output.scalar_type(), " differs from input dtype ",
                    input.scalar_type());
+  return dtype;
+}
+
+DataType ArgChecks::single(const char* call, const at::Tensor& output,
+                                  const at::Tensor& input, bool outputIsWhole) const {
+  const DataType dtype = pair(output, input, call);
   writable(output, call, "output");
   const at::Tensor& whole = outputIsWhole ? output : input;
   const at::Tensor& block = outputIsWhole ? input : output;
@@ -89,6 +95,19 @@ DataType ArgChecks::sameType(const std::vector<at::Tensor>& tensors, const char*
     if (written) writable(t, call, what);
   }
   return dtype;
+}
+
+ArgChecks::AllToAll ArgChecks::allToAll(const at::Tensor& output, const at::Tensor& input,
+                                        const std::vector<int64_t>& outputSplits,
+                                        const std::vector<int64_t>& inputSplits,
+                                        const char* call) const {
+  AllToAll a;
+  a.dtype = pair(output, input, call);
+  writable(output, call, "output");
+  a.row = rowElements(output, input, call);
+  a.out = splits(output, outputSplits, a.row, call, "output");
+  a.in = splits(input, inputSplits, a.row, call, "input");
+  return a;
 }
 
 int64_t ArgChecks::rowElements(const at::Tensor& output, const at::Tensor& input,

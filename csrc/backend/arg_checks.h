@@ -45,13 +45,25 @@ class ArgChecks {
     std::vector<size_t> counts;
     std::vector<size_t> offsets;
   };
-  // The elements per row (dim 0) that all_to_all_single's output and input
-  // share: splits count rows.
+  // all_to_all_single's tensors and splits, checked: one dtype, a writable
+  // output, rows (dim 0) of one size, splits that add up to the rows.
+  struct AllToAll {
+    DataType dtype;
+    int64_t row;  // elements per row
+    Blocks out;
+    Blocks in;
+  };
+  AllToAll allToAll(const at::Tensor& output, const at::Tensor& input,
+                    const std::vector<int64_t>& outputSplits,
+                    const std::vector<int64_t>& inputSplits, const char* call) const;
+
+ private:
+  // `output`'s dtype equals `input`'s, both checked by tensor(); returns it.
+  DataType pair(const at::Tensor& output, const at::Tensor& input, const char* call) const;
   int64_t rowElements(const at::Tensor& output, const at::Tensor& input, const char* call) const;
   Blocks splits(const at::Tensor& t, const std::vector<int64_t>& splits, int64_t row,
                 const char* call, const char* what) const;
 
- private:
   const int rank_;
   const int size_;
   const c10::Device device_;

@@ -527,14 +527,8 @@ WorkPtr HierarchicalEngine::allToAllSingle(const at::Tensor& output, const at::T
                                            const std::vector<int64_t>& inputSplits,
                                            const CallOptions& call) {
   const char* name = "all_to_all_single";
-  const DataType dtype = checks_.tensor(input, name, "input");
-  PYDDP_CHECK_TYPE(checks_.tensor(output, name, "output") == dtype, "rank ", rank_, ": ", name,
-                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
-                   input.scalar_type());
-  checks_.writable(output, name, "output");
-  const int64_t row = checks_.rowElements(output, input, name);
-  checks_.splits(output, outputSplits, row, name, "output");
-  checks_.splits(input, inputSplits, row, name, "input");
+  const auto [dtype, row, out, in] =
+      checks_.allToAll(output, input, outputSplits, inputSplits, name);
   return onFlat(makeDesc(CollectiveKind::AllToAll, static_cast<size_t>(row), dtype), {output},
                 {input},
                 [=](c10d::Backend& g) {

@@ -354,14 +354,8 @@ WorkPtr NcclEngine::allToAllSingle(const at::Tensor& output, const at::Tensor& i
                                    const std::vector<int64_t>& inputSplits,
                                    const CallOptions& call) {
   const char* name = "all_to_all_single";
-  const DataType dtype = checks_.tensor(input, name, "input");
-  PYDDP_CHECK_TYPE(checks_.tensor(output, name, "output") == dtype, "rank ", rank_, ": ", name,
-                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
-                   input.scalar_type());
-  checks_.writable(output, name, "output");
-  const int64_t row = checks_.rowElements(output, input, name);
-  const auto recvs = checks_.splits(output, outputSplits, row, name, "output");
-  const auto sends = checks_.splits(input, inputSplits, row, name, "input");
+  const auto [dtype, row, recvs, sends] =
+      checks_.allToAll(output, input, outputSplits, inputSplits, name);
   return launch(CollectiveKind::AllToAll, {input}, {output}, call,
                 [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor in = dense(input);

@@ -418,14 +418,8 @@ WorkPtr RingEngine::allToAllSingle(const at::Tensor& output, const at::Tensor& i
                                    const CallOptions& call) {
   const char* name = "all_to_all_single";
   MessageLink& link = messages(name);
-  const DataType dtype = checks_.tensor(input, name, "input");
-  PYDDP_CHECK_TYPE(checks_.tensor(output, name, "output") == dtype, "rank ", rank_, ": ", name,
-                   ": output dtype ", output.scalar_type(), " differs from input dtype ",
-                   input.scalar_type());
-  checks_.writable(output, name, "output");
-  const int64_t row = checks_.rowElements(output, input, name);
-  const auto out = checks_.splits(output, outputSplits, row, name, "output");
-  const auto in = checks_.splits(input, inputSplits, row, name, "input");
+  const auto [dtype, row, out, in] =
+      checks_.allToAll(output, input, outputSplits, inputSplits, name);
   const at::Tensor inBuf = dense(input);
   const at::Tensor outBuf = dense(output);
   return submit(

@@ -458,6 +458,9 @@ void ShmMessages::giveUp(uint64_t id, Op& op, const std::string& why, bool peerD
     Out& o = *outs_[op.peer];
     if (op.message != 0 || peerDead) {
       failOut(op.peer, o, why, true);
+      // A dead receiver never maps the channel: its name goes now, as this
+      // rank may fail on and never reach its teardown.
+      if (peerDead) o.segment.unlink();
     } else {
       o.queue.erase(std::find(o.queue.begin(), o.queue.end(), id));
       finish(id, op, State::Failed, why);
