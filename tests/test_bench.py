@@ -226,16 +226,16 @@ def test_under_mpirun_the_tool_refuses(monkeypatch, capsys):
 
 
 def test_ddp_subcommand_without_its_module(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, cli.DDP_MODULE, None)
+    monkeypatch.setitem(sys.modules, cli.SUBCOMMANDS["ddp"][0], None)
     assert cli.main(["ddp", "--steps", "3"]) == 2
     assert "pyddp.bench.ddp" in capsys.readouterr().err
 
 
 def test_ddp_subcommand_hands_over_its_arguments(monkeypatch):
-    module = types.ModuleType(cli.DDP_MODULE, "A fake DDP benchmark.")
+    module = types.ModuleType(cli.SUBCOMMANDS["ddp"][0], "A fake DDP benchmark.")
     module.add_arguments = lambda parser: parser.add_argument("--steps", type=int, required=True)
     module.main = lambda args: args.steps + 1
-    monkeypatch.setitem(sys.modules, cli.DDP_MODULE, module)
+    monkeypatch.setitem(sys.modules, cli.SUBCOMMANDS["ddp"][0], module)
     assert cli.main(["ddp", "--steps", "6"]) == 7
     with pytest.raises(SystemExit):
         cli.main(["ddp"])

@@ -1,8 +1,9 @@
-"""Command line of ``python -m pyddp.bench``: the collectives microbenchmark and ``ddp``.
+"""Command line of ``python -m pyddp.bench``: the microbenchmark, ``ddp`` and ``soak``.
 
 ``python -m pyddp.bench [options]`` times collectives; ``python -m pyddp.bench
-ddp [options]`` hands over to the DDP benchmark in ``pyddp.bench.ddp``
-(imported only then). The microbenchmark spawns its ranks, or, started by
+ddp [options]`` hands over to the DDP benchmark in ``pyddp.bench.ddp`` and
+``python -m pyddp.bench soak [options]`` to the soak in ``pyddp.bench.soak``
+(each imported only then). The microbenchmark spawns its ranks, or, started by
 torchrun (RANK and WORLD_SIZE set), is itself one of the ranks.
 """
 
@@ -24,8 +25,12 @@ from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, exact_limit, largest_valu
 from pyddp.bench.sizes import format_size, parse_size, size_sweep
 from pyddp.bench.worker import DTYPES, Event, Launch, Plan, launched_rank
 
-DDP_SUBCOMMAND = "ddp"
-DDP_MODULE = "pyddp.bench.ddp"
+SUBCOMMANDS = {
+    "ddp": ("pyddp.bench.ddp", "the DDP benchmark"),
+    "soak": ("pyddp.bench.soak", "the soak (resources over minutes of mixed work)"),
+}
+"""``python -m pyddp.bench NAME``: the module that runs NAME (imported only then), and what
+it is."""
 
 
 def _size(text: str) -> int:
@@ -81,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives of pyddp and its peers (torch.distributed gloo and NCCL, "
                     "MPI, DeepSpeed's shm all-reduce) side by side on this machine, in "
                     "nccl-tests-shaped tables. Sizes take K/M/G suffixes.",
-        epilog=f"'python -m pyddp.bench {DDP_SUBCOMMAND} --help' describes the DDP benchmark. "
+        epilog="'python -m pyddp.bench ddp --help' and 'python -m pyddp.bench soak --help' "
+               "describe the DDP benchmark and the soak. "
                "Under torchrun (RANK and WORLD_SIZE set) this process is one of the ranks and "
                "spawns none.")
     parser.add_argument("--world-size", type=_int_at_least(1), default=None,
@@ -294,17 +300,18 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if all(not r.wrong for r in results) else 1
 
 
-def ddp(argv: Sequence[str]) -> int:
-    """``python -m pyddp.bench ddp``: the DDP benchmark of ``pyddp.bench.ddp``."""
+def subcommand(name: str, argv: Sequence[str]) -> int:
+    """``python -m pyddp.bench NAME [options]``: hands ``argv`` to NAME's module."""
+    module_name, what = SUBCOMMANDS[name]
     try:
-        module = importlib.import_module(DDP_MODULE)
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        if error.name != DDP_MODULE:
+        if error.name != module_name:
             raise
-        print(f"pyddp.bench {DDP_SUBCOMMAND}: the DDP benchmark ({DDP_MODULE}) is not part of "
-              "this installation of pyddp", file=sys.stderr)
+        print(f"pyddp.bench {name}: {what} ({module_name}) is not part of this installation of "
+              "pyddp", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"python -m pyddp.bench {DDP_SUBCOMMAND}",
+    parser = argparse.ArgumentParser(prog=f"python -m pyddp.bench {name}",
                                      description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
@@ -312,8 +319,8 @@ def ddp(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m pyddp.bench [ddp] [options]``; returns the exit status."""
+    """``python -m pyddp.bench [ddp|soak] [options]``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == DDP_SUBCOMMAND:
-        return ddp(args[1:])
+    if args and args[0] in SUBCOMMANDS:
+        return subcommand(args[0], args[1:])
     return microbenchmark(args)
