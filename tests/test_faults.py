@@ -272,6 +272,34 @@ def test_segment_checks():
     assert not name("/other-01") and not name("/pyddp-01/../x")
 
 
+# --- /dev/shm too small --------------------------------------------------------------
+
+
+def test_a_dev_shm_too_small_for_the_segments_is_said_with_the_fix(tmp_path):
+    from hosts import why_not
+    if why_not() is not None:
+        pytest.skip(f"a private /dev/shm: {why_not()}")
+    script = textwrap.dedent(f"""
+        import datetime
+        import torch.distributed as dist
+        import pyddp
+        pyddp.create_group("shm", store=dist.FileStore({str(tmp_path / "store")!r}, 1), rank=0,
+                           world_size=1, timeout=datetime.timedelta(seconds=30))
+    """)
+    # A tmpfs of 64 KiB on /dev/shm, seen by this process alone.
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable,
+         script], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             os.environ.get("PYTHONPATH", "")])))
+    assert run.returncode == 1, run.stderr
+    assert re_search(r"rank 0: allocating a \d+-byte shm segment failed: No space left on "
+                     r"device \(is /dev/shm large enough\? lower PYDDP_SLOT_BYTES or "
+                     r"PYDDP_NUM_SLOTS\)", run.stderr), run.stderr
+
+
 # --- 6: a refusal while the store's host leaves -----------------------------------
 
 
