@@ -24,7 +24,7 @@ import torch
 import pyddp
 import pyddp.bench.cli as cli
 from pyddp.bench import peers
-from pyddp.bench.peers import PEERS, mpi_launchable
+from pyddp.bench.peers import MESSAGE_OPS, PEERS, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped, busbw_factor
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
 from pyddp.bench.report import render, summary
@@ -32,7 +32,7 @@ from pyddp.bench.sizes import format_size, parse_size, size_sweep
 from pyddp.bench.worker import Launch, launched_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
+ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "sendrecv")
 DEEPSPEED_SEGMENT = "deepspeed_allreduce_buffer"
 RUN_TIMEOUT = 240
 
@@ -40,18 +40,22 @@ RUN_TIMEOUT = 240
 # --- arithmetic -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size, expected", [
-    (1, {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 1.0}),
-    (2, {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}),
-    (4, {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0}),
-    (8, {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0}),
+    (1, {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 1.0,
+         "all_to_all": 0.0, "sendrecv": 1.0}),
+    (2, {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0,
+         "all_to_all": 0.5, "sendrecv": 1.0}),
+    (4, {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0,
+         "all_to_all": 0.75, "sendrecv": 1.0}),
+    (8, {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0,
+         "all_to_all": 0.875, "sendrecv": 1.0}),
 ])
 def test_busbw_factors_match_nccl_tests(world_size, expected):
     assert {op: busbw_factor(op, world_size) for op in expected} == expected
 
 
 def test_busbw_factor_rejects_unknown_op_and_world():
-    with pytest.raises(ValueError, match="all_to_all"):
-        busbw_factor("all_to_all", 2)
+    with pytest.raises(ValueError, match="gather"):
+        busbw_factor("gather", 2)
     with pytest.raises(ValueError, match="positive"):
         busbw_factor("all_reduce", 0)
 
@@ -88,7 +92,7 @@ class _Recorder:
     def all_reduce(self, *buffers_and_arguments):
         return lambda: None
 
-    all_gather = broadcast = reduce_scatter = all_reduce
+    all_gather = broadcast = reduce_scatter = all_to_all = sendrecv = all_reduce
 
 
 def _reduce(stacked: torch.Tensor, redop: str) -> torch.Tensor:
@@ -116,6 +120,14 @@ def _simulate(op: str, cases: list, redop: str, root: int) -> None:
         gathered = torch.cat([c.input for c in cases])
         for c in cases:
             c.output.copy_(gathered)
+    elif op == "all_to_all":
+        n = len(cases)
+        for source, c in enumerate(cases):
+            for dest, block in enumerate(c.input.chunk(n)):
+                cases[dest].output.chunk(n)[source].copy_(block)
+    elif op == "sendrecv":
+        for rank, c in enumerate(cases):
+            cases[(rank + 1) % len(cases)].output.copy_(c.input)
     else:
         result = _reduce(torch.stack([c.input.double() for c in cases]), redop)
         for rank, c in enumerate(cases):
@@ -162,6 +174,27 @@ def test_case_sizes_follow_nccl_tests():
     assert (ag.count, ag.nbytes, ag.input.numel()) == (1024, 4096, 256)
     rs = OPS["reduce_scatter"](4000, torch.float32, cpu, 1, 3, "sum", 0)
     assert (rs.count, rs.nbytes, rs.output.numel()) == (999, 3996, 333)
+    # all_to_all counts each rank's whole send buffer, n blocks (nccl-tests' alltoall).
+    a2a = OPS["all_to_all"](4000, torch.float32, cpu, 1, 3, "sum", 0)
+    assert (a2a.count, a2a.nbytes, a2a.input.numel(), a2a.output.numel()) == (999, 3996, 999, 999)
+    sr = OPS["sendrecv"](4096, torch.float32, cpu, 1, 3, "sum", 0)
+    assert (sr.count, sr.nbytes, sr.input.numel(), sr.output.numel()) == (1024, 4096, 1024, 1024)
+
+
+def test_sendrecv_is_a_ring_and_all_to_all_routes_blocks():
+    """The references, by hand: rank 1 of 3 receives rank 0's buffer, and block 1 of every
+    rank's all_to_all input, in rank order."""
+    cpu = torch.device("cpu")
+    sr = [OPS["sendrecv"](32, torch.float32, cpu, r, 3, "sum", 0) for r in range(3)]
+    sr[1].output.copy_(sr[0].input)
+    assert sr[1].count_wrong() == 0
+    sr[1].output.copy_(sr[2].input)
+    assert sr[1].count_wrong() == 8
+    a2a = [OPS["all_to_all"](48, torch.float32, cpu, r, 3, "sum", 0) for r in range(3)]
+    a2a[1].output.copy_(torch.cat([a2a[r].input[4:8] for r in range(3)]))
+    assert a2a[1].count_wrong() == 0
+    a2a[1].output.copy_(torch.cat([a2a[r].input[0:4] for r in range(3)]))
+    assert a2a[1].count_wrong() == 12
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -170,7 +203,8 @@ def test_case_sizes_follow_nccl_tests():
     (["-b", "64M", "-e", "4K"], "-b/-e/-f"),
     (["-f", "1"], "at least 2"),
     (["-b", "2"], "less than one float32"),
-    (["--ops", "all_reduce,all_to_all"], "choose 'all' or a comma list"),
+    (["--ops", "all_reduce,gather"], "choose 'all' or a comma list"),
+    (["--ops", "sendrecv", "--world-size", "1"], "sendrecv needs at least 2 ranks"),
     (["--backends", "pyddp,horovod"], "choose 'all' or a comma list"),
     (["-d", "int8", "--world-size", "30"], "does not hold exactly"),
     (["-o", "avg", "-d", "int32"], "avg needs a floating-point"),
@@ -201,6 +235,11 @@ def test_all_expands_and_defaults():
     plan = cli.parse_options([]).plan
     assert (plan.world_size, plan.ops, plan.sizes[0], plan.sizes[-1]) == (
         2, ["all_reduce"], 4096, 64 << 20)
+
+
+def test_new_ops_are_accepted():
+    plan = cli.parse_options(["--ops", "all_reduce,all_to_all,sendrecv"]).plan
+    assert plan.ops == ["all_reduce", "all_to_all", "sendrecv"]
 
 
 def test_peers_is_another_name_for_backends():
@@ -372,7 +411,7 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
         assert skips[("mpi", "*")] == mpi_reason
     if _installed("deepspeed"):
         assert found["deepspeed"] == {("all_reduce", 64), ("all_reduce", 4096)}
-        for op in ("all_gather", "broadcast", "reduce_scatter"):
+        for op in ALL_OPS[1:]:
             assert "all_reduce only" in skips[("deepspeed", op)]
     else:
         assert skips[("deepspeed", "*")] == "deepspeed is not installed"
@@ -381,6 +420,8 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     nccl_ok = torch.cuda.is_available() and (
         torch.cuda.device_count() >= 2
         or tuple(torch.cuda.nccl.version()[:2]) >= peers.NCCL_MULTI_RANK_GPU_VERSION)
+    # pyddp's cuda_ipc and NCCL ring transports have no messages between pairs of ranks.
+    messageless = ("pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl_ring")
     for gpu in ("nccl", "pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl", "pyddp_nccl_ring"):
         nccl = gpu in ("nccl", "pyddp_nccl", "pyddp_nccl_ring")
         if not torch.cuda.is_available():
@@ -390,6 +431,10 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
             assert "this pyddp build has no" in skips[(gpu, "*")]
         elif nccl and not nccl_ok:
             assert "need NCCL >= 2.30" in skips[(gpu, "*")]
+        elif gpu in messageless:
+            assert found[gpu] == {(op, size) for op, size in points if op not in MESSAGE_OPS}
+            for op in MESSAGE_OPS:
+                assert "no messages between pairs of ranks" in skips[(gpu, op)], gpu
         else:
             assert found[gpu] == points, gpu
 
@@ -428,7 +473,7 @@ def test_three_ranks_other_dtype_and_reduction(tmp_path):
     assert process.returncode == 0, process.stderr
     with open(path, encoding="utf-8") as f:
         results = json.load(f)["results"]
-    assert len(results) == 2 * 4 * 2
+    assert len(results) == 2 * len(ALL_OPS) * 2
     assert all(r["wrong"] == 0 and r["dtype"] == "bfloat16" for r in results)
     assert {r["redop"] for r in results if r["op"] in REDUCING_OPS} == {"max"}
     assert {r["root"] for r in results if r["op"] == "broadcast"} == {1}

@@ -174,6 +174,8 @@ def parse_options(argv: Optional[Sequence[str]] = None,
         sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as error:
         parser.error(f"-b/-e/-f: {error}")
+    if "sendrecv" in args.ops and world_size < 2:
+        parser.error("--ops sendrecv needs at least 2 ranks: every rank sends to the next")
     if "broadcast" in args.ops and args.root >= world_size:
         parser.error(f"--root {args.root} is not a rank of a world of {world_size}")
     reducing = [op for op in args.ops if op in REDUCING_OPS]
