@@ -149,19 +149,32 @@ class _Buffers:
         return self._expected
 
 
-class _InPlaceCase:
+class _Sized:
+    """``count`` and ``nbytes`` of a case, from ``_message``: the buffer that nccl-tests
+    sizes the collective by."""
+
+    @property
+    def _message(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def count(self) -> int:
+        return self._message.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._message.numel() * self._message.element_size()
+
+
+class _InPlaceCase(_Sized):
     """A case whose collective works in place on ``tensor``, restored from ``_input``."""
 
     tensor: torch.Tensor
     _input: torch.Tensor
 
     @property
-    def count(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def _message(self) -> torch.Tensor:
+        return self.tensor
 
     def reset(self) -> None:
         self.tensor.copy_(self._input)
@@ -219,12 +232,9 @@ class BroadcastCase(_InPlaceCase):
         return count_mismatches(self.tensor, expected, "none")
 
 
-class _OutOfPlaceCase:
-    """A case that reads ``input`` and writes ``output``, which ``reset`` blanks.
-
-    Its message size is that of ``_message`` (``input`` unless a subclass says
-    otherwise): the larger buffer, as nccl-tests counts.
-    """
+class _OutOfPlaceCase(_Sized):
+    """A case that reads ``input`` and writes ``output``, which ``reset`` blanks; sized by
+    ``input`` unless a subclass says otherwise (nccl-tests counts the larger buffer)."""
 
     input: torch.Tensor
     output: torch.Tensor
@@ -232,14 +242,6 @@ class _OutOfPlaceCase:
     @property
     def _message(self) -> torch.Tensor:
         return self.input
-
-    @property
-    def count(self) -> int:
-        return self._message.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self._message.numel() * self._message.element_size()
 
     def reset(self) -> None:
         self.output.fill_(SENTINEL)
