@@ -23,7 +23,10 @@ import torch
 
 import pyddp
 import pyddp.bench.cli as cli
+from pyddp import _launch
 from pyddp.bench import peers
+from pyddp.bench.across_hosts import (flat_ring_inter_host_bytes, hierarchical_inter_host_bytes,
+                                      placement, ring_sends)
 from pyddp.bench.peers import MESSAGE_OPS, PEERS, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped, busbw_factor
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
@@ -197,6 +200,47 @@ def test_sendrecv_is_a_ring_and_all_to_all_routes_blocks():
     assert a2a[1].count_wrong() == 12
 
 
+# --- bytes between simulated hosts ------------------------------------------------------------
+
+def test_placement_splits_ranks_host_by_host():
+    assert placement(4, 2) == ["host0", "host0", "host1", "host1"]
+    assert placement(3, 3) == ["host0", "host1", "host2"]
+    assert placement(5, 1) == ["host0"] * 5
+    with pytest.raises(ValueError, match="do not split evenly"):
+        placement(3, 2)
+
+
+def test_ring_sends_twice_n_minus_one_blocks():
+    assert [ring_sends(1200, m) for m in (1, 2, 3, 4)] == [0, 1200, 1600, 1800]
+
+
+def test_flat_ring_counts_the_links_that_cross_hosts():
+    # 4 ranks: each sends 2 * 3/4 * 1000 = 1500 to the next; 1->2 and 3->0 cross.
+    assert flat_ring_inter_host_bytes(1000, ["a", "a", "b", "b"]) == [0, 1500, 0, 1500]
+    # Interleaved, every link crosses.
+    assert flat_ring_inter_host_bytes(1000, ["a", "b", "a", "b"]) == [1500] * 4
+    # 2 hosts x 4 ranks: 2 * 7/8 * 800 = 1400 from ranks 3 and 7.
+    assert flat_ring_inter_host_bytes(800, ["a"] * 4 + ["b"] * 4) == [0, 0, 0, 1400] * 2
+    # 3 hosts x 2 ranks: 2 * 5/6 * 1200 = 2000 from ranks 1, 3 and 5.
+    assert flat_ring_inter_host_bytes(1200, list("aabbcc")) == [0, 2000] * 3
+    assert flat_ring_inter_host_bytes(1000, ["a"] * 3) == [0, 0, 0]
+
+
+def test_hierarchical_all_reduces_one_shard_per_rank_across_hosts():
+    # 2 hosts x 2 ranks: shards of 500 over rings of 2 hosts: 2 * 1/2 * 500 each, 2000 in all
+    # against the flat ring's 3000.
+    assert hierarchical_inter_host_bytes(1000, ["a", "a", "b", "b"]) == [500] * 4
+    # 2 hosts x 4 ranks: shards of 200, 200 each, 1600 in all against 2800.
+    assert hierarchical_inter_host_bytes(800, ["a"] * 4 + ["b"] * 4) == [200] * 8
+    # 3 hosts x 2 ranks: shards of 600 over rings of 3: 2 * 2/3 * 600 = 800 each.
+    assert hierarchical_inter_host_bytes(1200, list("aabbcc")) == [800] * 6
+    # One rank per host: gloo alone, the flat ring.
+    assert hierarchical_inter_host_bytes(900, ["a", "b", "c"]) == [1200] * 3 == \
+        flat_ring_inter_host_bytes(900, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        hierarchical_inter_host_bytes(1000, ["a", "a", "b"])
+
+
 # --- command line -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
@@ -205,6 +249,10 @@ def test_sendrecv_is_a_ring_and_all_to_all_routes_blocks():
     (["-b", "2"], "less than one float32"),
     (["--ops", "all_reduce,gather"], "choose 'all' or a comma list"),
     (["--ops", "sendrecv", "--world-size", "1"], "sendrecv needs at least 2 ranks"),
+    (["--hosts", "3", "--world-size", "4"], "--hosts 3: 4 ranks do not split evenly"),
+    (["--hosts", "0"], "at least 1"),
+    (["--hosts", "2", "--world-size", "4", "--peers", "pyddp,gloo,mpi,limit"],
+     "only pyddp and gloo run across simulated hosts, not mpi, limit"),
     (["--backends", "pyddp,horovod"], "choose 'all' or a comma list"),
     (["-d", "int8", "--world-size", "30"], "does not hold exactly"),
     (["-o", "avg", "-d", "int32"], "avg needs a floating-point"),
@@ -240,6 +288,16 @@ def test_all_expands_and_defaults():
 def test_new_ops_are_accepted():
     plan = cli.parse_options(["--ops", "all_reduce,all_to_all,sendrecv"]).plan
     assert plan.ops == ["all_reduce", "all_to_all", "sendrecv"]
+
+
+def test_hosts_default_to_pyddp_and_gloo(capsys):
+    plan = cli.parse_options(["--hosts", "2", "--world-size", "4"]).plan
+    assert (plan.hosts, plan.world_size, plan.peers) == (2, 4, ["pyddp", "gloo"])
+    assert cli.parse_options(["--hosts", "2", "--peers", "gloo"]).plan.peers == ["gloo"]
+    assert cli.parse_options([]).plan.hosts == 1
+    with pytest.raises(SystemExit):
+        cli.parse_options(["--hosts", "2"], Launch(0, 2, 0, 2, False))
+    assert "under torchrun it starts none" in capsys.readouterr().err
 
 
 def test_peers_is_another_name_for_backends():
@@ -503,3 +561,37 @@ def test_under_torchrun_the_tool_is_the_ranks(tmp_path):
         name: {("all_reduce", 1024), ("reduce_scatter", 1024)} for name in ("pyddp", "gloo")}
     assert all(r["wrong"] == 0 for r in document["results"])
     assert (mpi_launchable() or "not started by mpirun") in _skips(document)[("mpi", "*")]
+
+
+def test_simulated_hosts_are_refused_with_the_reason(monkeypatch, capsys):
+    monkeypatch.setattr(_launch, "simulated_hosts_unavailable", lambda: "no namespaces here")
+    assert cli.main(["--hosts", "2", "--world-size", "4", "-q"]) == 1
+    assert "--hosts 2: cannot simulate hosts here: no namespaces here" in capsys.readouterr().err
+
+
+def test_two_simulated_hosts_run_pyddp_auto_beside_gloo(tmp_path):
+    reason = _launch.simulated_hosts_unavailable()
+    if reason is not None:
+        pytest.skip(f"simulated hosts: {reason}")
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("pyddp")}
+    path = str(tmp_path / "run.json")
+    process = _run_cli(["--hosts", "2", "--world-size", "4", "-b", "64K", "-e", "64K",
+                        "--iters", "2", "--warmup", "1", "--trials", "1", "--json", path], {})
+    assert process.returncode == 0, process.stderr
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    assert document["plan"]["hosts"] == 2
+    assert _by_peer(document["results"]) == {"pyddp": {("all_reduce", 65536)},
+                                             "gloo": {("all_reduce", 65536)}}
+    assert all(r["wrong"] == 0 for r in document["results"])
+    detail = next(r["detail"] for r in document["results"] if r["peer"] == "pyddp")
+    assert detail.startswith("pyddp auto") and "hierarchical (shm inside each host" in detail
+    assert "ranks 0,1 on host0" in detail and "ranks 2,3 on host1" in detail
+    out = process.stdout
+    assert "# summary: all_reduce on cpu, speed-up over gloo" in out
+    assert "loopback is not a network" in out and "only the ratio" in out
+    # 64 KiB on 2 hosts x 2 ranks: the flat ring's 2 crossing links carry 2 * 3/4 * 65536
+    # each; pyddp's 4 ranks each all-reduce a 32 KiB shard across 2 hosts: 2 * 1/2 * 32768.
+    assert ["65536", "196608", "131072", "0.667", "98304", "32768"] in [
+        line.split() for line in out.splitlines()]
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("pyddp")} <= before

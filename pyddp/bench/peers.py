@@ -46,6 +46,8 @@ class RankContext:
     base_store: dist.Store
     timeout: datetime.timedelta
     mpi_launched: bool
+    hosts: int
+    """Simulated hosts the ranks are spread over (--hosts); 1: this machine as it is."""
 
     def store(self, name: str) -> dist.Store:
         """The run's store under the prefix ``name``, shared by all ranks."""
@@ -276,7 +278,14 @@ class _PyddpPeer:
         self._group = group
         self.device = device
         algo = self._algo or os.environ.get("PYDDP_ALGO", "auto")
-        self.detail = f"pyddp {self._transport}, PYDDP_ALGO={algo}"
+        self.detail = f"pyddp {group.backend}, PYDDP_ALGO={algo}"
+        if group.backend == "auto":
+            self.detail += f"; {group.layout()}"
+
+    @classmethod
+    def _backend(cls, ctx: RankContext) -> str:
+        """The pyddp backend the group is made with."""
+        return cls._transport
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
@@ -285,8 +294,8 @@ class _PyddpPeer:
             if reason is not None:
                 return reason
         available = tuple(getattr(pyddp, "BACKENDS", ()))
-        if cls._transport not in available:
-            return (f"this pyddp build has no {cls._transport!r} backend "
+        if cls._backend(ctx) not in available:
+            return (f"this pyddp build has no {cls._backend(ctx)!r} backend "
                     f"(it has {', '.join(available) or 'none'})")
         return None
 
@@ -295,8 +304,9 @@ class _PyddpPeer:
         device = _cuda_device(ctx) if cls._cuda else torch.device("cpu")
         env = {"PYDDP_ALGO": cls._algo} if cls._algo else {}
         with temporary_environ(env):
-            group = pyddp.new_group(cls._transport, store=ctx.store(cls.name), rank=ctx.rank,
-                                    world_size=ctx.world_size, timeout=ctx.timeout)
+            group = pyddp.new_group(cls._backend(ctx), store=ctx.store(cls.name),
+                                    rank=ctx.rank, world_size=ctx.world_size,
+                                    timeout=ctx.timeout)
         return cls(group, device)
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
@@ -340,11 +350,16 @@ class _PyddpPeer:
 
 
 class PyddpShmPeer(_PyddpPeer):
-    """pyddp over shared memory (CPU tensors)."""
+    """pyddp over shared memory (CPU tensors); across simulated hosts (--hosts), pyddp's
+    backend "auto", which composes shared memory inside each host with gloo between hosts."""
 
     name = "pyddp"
     _transport = "shm"
     _cuda = False
+
+    @classmethod
+    def _backend(cls, ctx: RankContext) -> str:
+        return "auto" if ctx.hosts > 1 else cls._transport
 
 
 class PyddpIpcRingPeer(_PyddpPeer):
@@ -672,6 +687,10 @@ PEERS: dict[str, type] = {
         PyddpNcclRingPeer)
 }
 """Every peer the tool knows, CPU ones first, in table order."""
+
+HOST_PEERS = (PyddpShmPeer.name, GlooPeer.name)
+"""The peers that run across simulated hosts (--hosts): pyddp, with its backend "auto", and
+gloo."""
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 """The peer every other peer on a device is compared with by default."""
