@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Protocol
@@ -112,7 +113,7 @@ MESSAGE_OPS = ("all_to_all", "sendrecv")
 """The benchmarked operations that move messages between pairs of ranks."""
 
 
-def _exchange(lib: "object", group: "object", output: torch.Tensor, input: torch.Tensor,
+def _exchange(lib: types.ModuleType, group: object, output: torch.Tensor, input: torch.Tensor,
               dst: int, src: int) -> Run:
     """``sendrecv`` through ``lib``'s batch_isend_irecv and P2POp (torch.distributed's, or
     pyddp's, which has the same API) on ``group``: both started at once, then waited for."""
