@@ -14,6 +14,9 @@ harness) starts them here. A job's ranks are started in one of three forms:
   starts every spawned process with the same interpreter command);
 - ``start_launcher``: one command that starts every rank itself (mpirun).
 
+``SimulatedHosts`` starts command ranks on hosts simulated on this machine
+(the tests of groups that span hosts, ``python -m pyddp.bench --hosts``).
+
 This module guarantees:
 
 - a rank that fails (raises, exits with a non-zero code, is killed by a
@@ -520,8 +523,9 @@ def start_commands(command: Sequence[str], world_size: int, *, env: Optional[Ran
 
     Rank ``r`` runs ``[*prefix(r), *command]`` with this process's environment,
     pyddp's parent directory first on PYTHONPATH, RANK, WORLD_SIZE,
-    LOCAL_RANK and LOCAL_WORLD_SIZE (one host: the local rank is the rank), and
-    ``env`` (or ``env(r)``) over all of them. With ``log_dir``, its stdout and
+    LOCAL_RANK and LOCAL_WORLD_SIZE (one host: the local rank is the rank;
+    ``SimulatedHosts`` sets them per host), and ``env`` (or ``env(r)``) over all
+    of them. With ``log_dir``, its stdout and
     stderr go to ``log_dir/rank{r}.log``, whose tail a failure report quotes.
     """
     job = Job(world_size)
@@ -560,3 +564,77 @@ def start_launcher(command: Sequence[str], world_size: int, *,
     job._add(process)
     job._launcher = process
     return job
+
+
+UNSHARE = ("unshare", "--uts", "--mount", "--propagation", "private")
+"""The wrapper that puts a rank in a UTS and mount namespace of its own, private to it."""
+
+UNSHARE_PROBE_SECONDS = 30.0
+"""How long the probe of ``simulated_hosts_unavailable`` may take (it answers in
+milliseconds; the bound only keeps a wedged ``unshare`` from hanging the caller)."""
+
+
+def simulated_hosts_unavailable() -> Optional[str]:
+    """None when ``SimulatedHosts`` can run here; else why not (for a skip or an error)."""
+    if shutil.which(UNSHARE[0]) is None:
+        return "unshare (util-linux) is not installed"
+    if os.geteuid() != 0:
+        return "making mount and UTS namespaces (unshare) needs root"
+    probe = subprocess.run([*UNSHARE, "sh", "-c", "hostname probe && mount --bind /tmp /dev/shm"],
+                           capture_output=True, text=True, timeout=UNSHARE_PROBE_SECONDS)
+    if probe.returncode != 0:
+        return f"unshare failed here: {probe.stderr.strip()}"
+    return None
+
+
+class SimulatedHosts:
+    """Hosts simulated on this machine, for ranks started by ``start_commands``.
+
+    Each rank runs in a UTS and mount namespace of its own (``UNSHARE``) with
+    its host's hostname and its host's directory bind-mounted on /dev/shm:
+    ranks of one host share shared memory, ranks of different hosts cannot
+    see each other's, while loopback TCP (torch's stores, gloo) still
+    connects them, as separate machines on one network would be. Making the
+    namespaces needs root; ``simulated_hosts_unavailable`` says why they
+    cannot be made here. The hosts' directories live in ``directory`` and go
+    with it.
+    """
+
+    ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+    """gloo binds to the address of the hostname, which simulated hostnames do not
+    have: loopback, said so rather than warned about."""
+
+    def __init__(self, placement: Sequence[str], directory: str) -> None:
+        """``placement[r]`` names the host of rank r; ``directory`` exists and outlives the ranks."""
+        self.placement = list(placement)
+        self._directory = directory
+        for host in dict.fromkeys(self.placement):
+            os.mkdir(self.shm(host), 0o1777)
+
+    def shm(self, host: str) -> str:
+        """The directory that is /dev/shm on ``host``."""
+        return os.path.join(self._directory, f"shm-{host}")
+
+    def prefix(self, rank: int) -> list[str]:
+        """The argv prefix that runs rank ``rank``'s command on its host."""
+        host = self.placement[rank]
+        # exec: the rank keeps the pid the launcher knows, so kill() reaches it.
+        script = 'hostname "$1" && mount --bind "$2" /dev/shm && shift 2 && exec "$@"'
+        return [*UNSHARE, "sh", "-c", script, "sh", host, self.shm(host)]
+
+    def environment(self, rank: int) -> dict[str, str]:
+        """``ENV``, and LOCAL_RANK and LOCAL_WORLD_SIZE of rank ``rank`` on its host."""
+        host = self.placement[rank]
+        return {**self.ENV, "LOCAL_RANK": str(self.placement[:rank].count(host)),
+                "LOCAL_WORLD_SIZE": str(self.placement.count(host))}
+
+    def start_commands(self, command: Sequence[str], *, env: Optional[RankEnv] = None,
+                       log_dir: Optional[str] = None) -> Job:
+        """``start_commands`` with one rank per entry of the placement, each on its host.
+
+        ``env`` (or ``env(r)``) goes over ``environment(r)``.
+        """
+        return start_commands(command, len(self.placement), prefix=self.prefix,
+                              env=lambda rank: {**self.environment(rank),
+                                                **_rank_value(env, rank)},
+                              log_dir=log_dir)

@@ -1,18 +1,17 @@
 """Ranks on simulated hosts, for tests of groups that span machines.
 
-Each rank runs in a UTS and mount namespace of its own (``unshare --uts
---mount --propagation private``) with its host's hostname and its host's
-directory bind-mounted on /dev/shm: ranks of one host share shared memory,
-ranks of different hosts cannot see each other's, while loopback TCP (torch's
-stores, gloo) still connects them, as separate machines on one network would
-be. Making namespaces needs root (CI runs as root); ``why_not()`` says why they
-cannot be made here, for a skip with the reason.
+Each rank runs on a host simulated by pyddp's launcher (``pyddp._launch.
+SimulatedHosts``: a UTS and mount namespace of its own, with its host's
+hostname and its host's private /dev/shm; loopback TCP connects the hosts).
+Making namespaces needs root (CI runs as root);
+``_launch.simulated_hosts_unavailable()`` says why they cannot be made here,
+for a skip with the reason.
 
 ``HostRanks(placement)`` starts one process per rank once, through pyddp's
-launcher (``pyddp._launch``, which supervises and reaps them), on the hosts
-the placement names, and ``run(fn, *args)`` calls the module-level function
-``fn(ctx, *args)`` on every rank, as ``harness.Ranks`` does for one host. Every
-wait is bounded.
+launcher (which supervises and reaps them), on the hosts the placement
+names, and ``run(fn, *args)`` calls the module-level function ``fn(ctx,
+*args)`` on every rank, as ``harness.Ranks`` does for one host. Every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ from __future__ import annotations
 import multiprocessing.connection as mpc
 import os
 import secrets
-import shutil
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -30,21 +27,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 from harness import DEFAULT_CALL_TIMEOUT, RankContext, RankFailure, collect
 from pyddp import _launch
-
-UNSHARE = ["unshare", "--uts", "--mount", "--propagation", "private"]
-
-
-def why_not() -> Optional[str]:
-    """None when simulated hosts can be made here; else why not."""
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    if os.geteuid() != 0:
-        return "making mount and UTS namespaces needs root"
-    probe = subprocess.run([*UNSHARE, "sh", "-c", "hostname probe && mount --bind /tmp /dev/shm"],
-                           capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        return f"unshare failed here: {probe.stderr.strip()}"
-    return None
 
 
 class HostRanks:
@@ -56,21 +38,9 @@ class HostRanks:
         self._rendezvous = _launch.Rendezvous(prefix="pyddp-hosts-")
         self.tmpdir = self._rendezvous.directory
         self._key = secrets.token_bytes(16)
-        for host in set(placement):
-            os.mkdir(self._shm(host), 0o1777)
-
-        def prefix(rank: int) -> List[str]:
-            # exec: the rank keeps the pid the launcher knows, so kill() reaches it.
-            host = self.placement[rank]
-            script = 'hostname "$1" && mount --bind "$2" /dev/shm && shift 2 && exec "$@"'
-            return [*UNSHARE, "sh", "-c", script, "sh", host, self._shm(host)]
-
-        # gloo binds to the address of the hostname, which the simulated
-        # hostnames do not have: loopback, said so rather than warned about.
-        self._job = _launch.start_commands(
-            [sys.executable, __file__, self.tmpdir], self.world_size, prefix=prefix,
-            log_dir=self.tmpdir,
-            env={"GLOO_SOCKET_IFNAME": "lo", "PYDDP_TEST_AUTHKEY": self._key.hex(), **(env or {})})
+        self._job = _launch.SimulatedHosts(self.placement, self.tmpdir).start_commands(
+            [sys.executable, __file__, self.tmpdir], log_dir=self.tmpdir,
+            env={"PYDDP_TEST_AUTHKEY": self._key.hex(), **(env or {})})
         self._conns: List[Any] = [None] * self.world_size
         try:
             self._accept()
@@ -79,10 +49,6 @@ class HostRanks:
         except BaseException:
             self.close()
             raise
-
-    def _shm(self, host: str) -> str:
-        """The directory that is /dev/shm on ``host``."""
-        return os.path.join(self.tmpdir, f"shm-{host}")
 
     def _accept(self) -> None:
         """Connects to every rank, which says where it listens in a file of tmpdir."""

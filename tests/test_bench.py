@@ -23,8 +23,11 @@ import torch
 
 import pyddp
 import pyddp.bench.cli as cli
+from pyddp import _launch
 from pyddp.bench import peers
-from pyddp.bench.peers import PEERS, mpi_launchable
+from pyddp.bench.across_hosts import (flat_ring_inter_host_bytes, hierarchical_inter_host_bytes,
+                                      placement, ring_sends)
+from pyddp.bench.peers import MESSAGE_OPS, PEERS, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped, busbw_factor
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, SENTINEL
 from pyddp.bench.report import render, summary
@@ -32,7 +35,7 @@ from pyddp.bench.sizes import format_size, parse_size, size_sweep
 from pyddp.bench.worker import Launch, launched_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
+ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "sendrecv")
 DEEPSPEED_SEGMENT = "deepspeed_allreduce_buffer"
 RUN_TIMEOUT = 240
 
@@ -40,18 +43,22 @@ RUN_TIMEOUT = 240
 # --- arithmetic -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size, expected", [
-    (1, {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 1.0}),
-    (2, {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}),
-    (4, {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0}),
-    (8, {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0}),
+    (1, {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "broadcast": 1.0,
+         "all_to_all": 0.0, "sendrecv": 1.0}),
+    (2, {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0,
+         "all_to_all": 0.5, "sendrecv": 1.0}),
+    (4, {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0,
+         "all_to_all": 0.75, "sendrecv": 1.0}),
+    (8, {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0,
+         "all_to_all": 0.875, "sendrecv": 1.0}),
 ])
 def test_busbw_factors_match_nccl_tests(world_size, expected):
     assert {op: busbw_factor(op, world_size) for op in expected} == expected
 
 
 def test_busbw_factor_rejects_unknown_op_and_world():
-    with pytest.raises(ValueError, match="all_to_all"):
-        busbw_factor("all_to_all", 2)
+    with pytest.raises(ValueError, match="gather"):
+        busbw_factor("gather", 2)
     with pytest.raises(ValueError, match="positive"):
         busbw_factor("all_reduce", 0)
 
@@ -88,7 +95,7 @@ class _Recorder:
     def all_reduce(self, *buffers_and_arguments):
         return lambda: None
 
-    all_gather = broadcast = reduce_scatter = all_reduce
+    all_gather = broadcast = reduce_scatter = all_to_all = sendrecv = all_reduce
 
 
 def _reduce(stacked: torch.Tensor, redop: str) -> torch.Tensor:
@@ -116,6 +123,14 @@ def _simulate(op: str, cases: list, redop: str, root: int) -> None:
         gathered = torch.cat([c.input for c in cases])
         for c in cases:
             c.output.copy_(gathered)
+    elif op == "all_to_all":
+        n = len(cases)
+        for source, c in enumerate(cases):
+            for dest, block in enumerate(c.input.chunk(n)):
+                cases[dest].output.chunk(n)[source].copy_(block)
+    elif op == "sendrecv":
+        for rank, c in enumerate(cases):
+            cases[(rank + 1) % len(cases)].output.copy_(c.input)
     else:
         result = _reduce(torch.stack([c.input.double() for c in cases]), redop)
         for rank, c in enumerate(cases):
@@ -162,6 +177,68 @@ def test_case_sizes_follow_nccl_tests():
     assert (ag.count, ag.nbytes, ag.input.numel()) == (1024, 4096, 256)
     rs = OPS["reduce_scatter"](4000, torch.float32, cpu, 1, 3, "sum", 0)
     assert (rs.count, rs.nbytes, rs.output.numel()) == (999, 3996, 333)
+    # all_to_all counts each rank's whole send buffer, n blocks (nccl-tests' alltoall).
+    a2a = OPS["all_to_all"](4000, torch.float32, cpu, 1, 3, "sum", 0)
+    assert (a2a.count, a2a.nbytes, a2a.input.numel(), a2a.output.numel()) == (999, 3996, 999, 999)
+    sr = OPS["sendrecv"](4096, torch.float32, cpu, 1, 3, "sum", 0)
+    assert (sr.count, sr.nbytes, sr.input.numel(), sr.output.numel()) == (1024, 4096, 1024, 1024)
+
+
+def test_sendrecv_is_a_ring_and_all_to_all_routes_blocks():
+    """The references, by hand: rank 1 of 3 receives rank 0's buffer, and block 1 of every
+    rank's all_to_all input, in rank order."""
+    cpu = torch.device("cpu")
+    sr = [OPS["sendrecv"](32, torch.float32, cpu, r, 3, "sum", 0) for r in range(3)]
+    sr[1].output.copy_(sr[0].input)
+    assert sr[1].count_wrong() == 0
+    sr[1].output.copy_(sr[2].input)
+    assert sr[1].count_wrong() == 8
+    a2a = [OPS["all_to_all"](48, torch.float32, cpu, r, 3, "sum", 0) for r in range(3)]
+    a2a[1].output.copy_(torch.cat([a2a[r].input[4:8] for r in range(3)]))
+    assert a2a[1].count_wrong() == 0
+    a2a[1].output.copy_(torch.cat([a2a[r].input[0:4] for r in range(3)]))
+    assert a2a[1].count_wrong() == 12
+
+
+# --- bytes between simulated hosts ------------------------------------------------------------
+
+def test_placement_splits_ranks_host_by_host():
+    assert placement(4, 2) == ["host0", "host0", "host1", "host1"]
+    assert placement(3, 3) == ["host0", "host1", "host2"]
+    assert placement(5, 1) == ["host0"] * 5
+    with pytest.raises(ValueError, match="do not split evenly"):
+        placement(3, 2)
+
+
+def test_ring_sends_twice_n_minus_one_blocks():
+    assert [ring_sends(1200, m) for m in (1, 2, 3, 4)] == [0, 1200, 1600, 1800]
+
+
+def test_flat_ring_counts_the_links_that_cross_hosts():
+    # 4 ranks: each sends 2 * 3/4 * 1000 = 1500 to the next; 1->2 and 3->0 cross.
+    assert flat_ring_inter_host_bytes(1000, ["a", "a", "b", "b"]) == [0, 1500, 0, 1500]
+    # Interleaved, every link crosses.
+    assert flat_ring_inter_host_bytes(1000, ["a", "b", "a", "b"]) == [1500] * 4
+    # 2 hosts x 4 ranks: 2 * 7/8 * 800 = 1400 from ranks 3 and 7.
+    assert flat_ring_inter_host_bytes(800, ["a"] * 4 + ["b"] * 4) == [0, 0, 0, 1400] * 2
+    # 3 hosts x 2 ranks: 2 * 5/6 * 1200 = 2000 from ranks 1, 3 and 5.
+    assert flat_ring_inter_host_bytes(1200, list("aabbcc")) == [0, 2000] * 3
+    assert flat_ring_inter_host_bytes(1000, ["a"] * 3) == [0, 0, 0]
+
+
+def test_hierarchical_all_reduces_one_shard_per_rank_across_hosts():
+    # 2 hosts x 2 ranks: shards of 500 over rings of 2 hosts: 2 * 1/2 * 500 each, 2000 in all
+    # against the flat ring's 3000.
+    assert hierarchical_inter_host_bytes(1000, ["a", "a", "b", "b"]) == [500] * 4
+    # 2 hosts x 4 ranks: shards of 200, 200 each, 1600 in all against 2800.
+    assert hierarchical_inter_host_bytes(800, ["a"] * 4 + ["b"] * 4) == [200] * 8
+    # 3 hosts x 2 ranks: shards of 600 over rings of 3: 2 * 2/3 * 600 = 800 each.
+    assert hierarchical_inter_host_bytes(1200, list("aabbcc")) == [800] * 6
+    # One rank per host: gloo alone, the flat ring.
+    assert hierarchical_inter_host_bytes(900, ["a", "b", "c"]) == [1200] * 3 == \
+        flat_ring_inter_host_bytes(900, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        hierarchical_inter_host_bytes(1000, ["a", "a", "b"])
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -170,7 +247,12 @@ def test_case_sizes_follow_nccl_tests():
     (["-b", "64M", "-e", "4K"], "-b/-e/-f"),
     (["-f", "1"], "at least 2"),
     (["-b", "2"], "less than one float32"),
-    (["--ops", "all_reduce,all_to_all"], "choose 'all' or a comma list"),
+    (["--ops", "all_reduce,gather"], "choose 'all' or a comma list"),
+    (["--ops", "sendrecv", "--world-size", "1"], "sendrecv needs at least 2 ranks"),
+    (["--hosts", "3", "--world-size", "4"], "--hosts 3: 4 ranks do not split evenly"),
+    (["--hosts", "0"], "at least 1"),
+    (["--hosts", "2", "--world-size", "4", "--peers", "pyddp,gloo,mpi,limit"],
+     "only pyddp and gloo run across simulated hosts, not mpi, limit"),
     (["--backends", "pyddp,horovod"], "choose 'all' or a comma list"),
     (["-d", "int8", "--world-size", "30"], "does not hold exactly"),
     (["-o", "avg", "-d", "int32"], "avg needs a floating-point"),
@@ -201,6 +283,21 @@ def test_all_expands_and_defaults():
     plan = cli.parse_options([]).plan
     assert (plan.world_size, plan.ops, plan.sizes[0], plan.sizes[-1]) == (
         2, ["all_reduce"], 4096, 64 << 20)
+
+
+def test_new_ops_are_accepted():
+    plan = cli.parse_options(["--ops", "all_reduce,all_to_all,sendrecv"]).plan
+    assert plan.ops == ["all_reduce", "all_to_all", "sendrecv"]
+
+
+def test_hosts_default_to_pyddp_and_gloo(capsys):
+    plan = cli.parse_options(["--hosts", "2", "--world-size", "4"]).plan
+    assert (plan.hosts, plan.world_size, plan.peers) == (2, 4, ["pyddp", "gloo"])
+    assert cli.parse_options(["--hosts", "2", "--peers", "gloo"]).plan.peers == ["gloo"]
+    assert cli.parse_options([]).plan.hosts == 1
+    with pytest.raises(SystemExit):
+        cli.parse_options(["--hosts", "2"], Launch(0, 2, 0, 2, False))
+    assert "under torchrun it starts none" in capsys.readouterr().err
 
 
 def test_peers_is_another_name_for_backends():
@@ -372,7 +469,7 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
         assert skips[("mpi", "*")] == mpi_reason
     if _installed("deepspeed"):
         assert found["deepspeed"] == {("all_reduce", 64), ("all_reduce", 4096)}
-        for op in ("all_gather", "broadcast", "reduce_scatter"):
+        for op in ALL_OPS[1:]:
             assert "all_reduce only" in skips[("deepspeed", op)]
     else:
         assert skips[("deepspeed", "*")] == "deepspeed is not installed"
@@ -381,6 +478,8 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     nccl_ok = torch.cuda.is_available() and (
         torch.cuda.device_count() >= 2
         or tuple(torch.cuda.nccl.version()[:2]) >= peers.NCCL_MULTI_RANK_GPU_VERSION)
+    # pyddp's cuda_ipc and NCCL ring transports have no messages between pairs of ranks.
+    messageless = ("pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl_ring")
     for gpu in ("nccl", "pyddp_ipc_ring", "pyddp_ipc_direct", "pyddp_nccl", "pyddp_nccl_ring"):
         nccl = gpu in ("nccl", "pyddp_nccl", "pyddp_nccl_ring")
         if not torch.cuda.is_available():
@@ -390,6 +489,10 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
             assert "this pyddp build has no" in skips[(gpu, "*")]
         elif nccl and not nccl_ok:
             assert "need NCCL >= 2.30" in skips[(gpu, "*")]
+        elif gpu in messageless:
+            assert found[gpu] == {(op, size) for op, size in points if op not in MESSAGE_OPS}
+            for op in MESSAGE_OPS:
+                assert "no messages between pairs of ranks" in skips[(gpu, op)], gpu
         else:
             assert found[gpu] == points, gpu
 
@@ -428,7 +531,7 @@ def test_three_ranks_other_dtype_and_reduction(tmp_path):
     assert process.returncode == 0, process.stderr
     with open(path, encoding="utf-8") as f:
         results = json.load(f)["results"]
-    assert len(results) == 2 * 4 * 2
+    assert len(results) == 2 * len(ALL_OPS) * 2
     assert all(r["wrong"] == 0 and r["dtype"] == "bfloat16" for r in results)
     assert {r["redop"] for r in results if r["op"] in REDUCING_OPS} == {"max"}
     assert {r["root"] for r in results if r["op"] == "broadcast"} == {1}
@@ -458,3 +561,37 @@ def test_under_torchrun_the_tool_is_the_ranks(tmp_path):
         name: {("all_reduce", 1024), ("reduce_scatter", 1024)} for name in ("pyddp", "gloo")}
     assert all(r["wrong"] == 0 for r in document["results"])
     assert (mpi_launchable() or "not started by mpirun") in _skips(document)[("mpi", "*")]
+
+
+def test_simulated_hosts_are_refused_with_the_reason(monkeypatch, capsys):
+    monkeypatch.setattr(_launch, "simulated_hosts_unavailable", lambda: "no namespaces here")
+    assert cli.main(["--hosts", "2", "--world-size", "4", "-q"]) == 1
+    assert "--hosts 2: cannot simulate hosts here: no namespaces here" in capsys.readouterr().err
+
+
+def test_two_simulated_hosts_run_pyddp_auto_beside_gloo(tmp_path):
+    reason = _launch.simulated_hosts_unavailable()
+    if reason is not None:
+        pytest.skip(f"simulated hosts: {reason}")
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("pyddp")}
+    path = str(tmp_path / "run.json")
+    process = _run_cli(["--hosts", "2", "--world-size", "4", "-b", "64K", "-e", "64K",
+                        "--iters", "2", "--warmup", "1", "--trials", "1", "--json", path], {})
+    assert process.returncode == 0, process.stderr
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    assert document["plan"]["hosts"] == 2
+    assert _by_peer(document["results"]) == {"pyddp": {("all_reduce", 65536)},
+                                             "gloo": {("all_reduce", 65536)}}
+    assert all(r["wrong"] == 0 for r in document["results"])
+    detail = next(r["detail"] for r in document["results"] if r["peer"] == "pyddp")
+    assert detail.startswith("pyddp auto") and "hierarchical (shm inside each host" in detail
+    assert "ranks 0,1 on host0" in detail and "ranks 2,3 on host1" in detail
+    out = process.stdout
+    assert "# summary: all_reduce on cpu, speed-up over gloo" in out
+    assert "loopback is not a network" in out and "only the ratio" in out
+    # 64 KiB on 2 hosts x 2 ranks: the flat ring's 2 crossing links carry 2 * 3/4 * 65536
+    # each; pyddp's 4 ranks each all-reduce a 32 KiB shard across 2 hosts: 2 * 1/2 * 32768.
+    assert ["65536", "196608", "131072", "0.667", "98304", "32768"] in [
+        line.split() for line in out.splitlines()]
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("pyddp")} <= before

@@ -140,6 +140,24 @@ def test_each_rank_gets_its_environment_prefix_and_log(tmp_path):
         assert job.log_tail(rank) == f"{rank} 3 {rank} 3 {REPO} env{rank} prefix{rank}"
 
 
+def test_simulated_hosts_have_their_names_and_private_shared_memory(tmp_path):
+    reason = _launch.simulated_hosts_unavailable()
+    if reason is not None:
+        pytest.skip(f"simulated hosts: {reason}")
+    name = f"pyddp-test-launch-{os.getpid()}"
+    show = (f"open('/dev/shm/{name}-' + os.environ['RANK'], 'w').close()\n"
+            "print(socket.gethostname(), os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'],"
+            " os.environ['GLOO_SOCKET_IFNAME'])")
+    hosts = _launch.SimulatedHosts(["a", "a", "b"], str(tmp_path))
+    with hosts.start_commands([sys.executable, "-c", f"import os, socket\n{show}"],
+                              log_dir=str(tmp_path)) as job:
+        assert job.wait(30) == [0, 0, 0]
+    assert [job.log_tail(rank) for rank in range(3)] == ["a 0 2 lo", "a 1 2 lo", "b 0 1 lo"]
+    assert sorted(os.listdir(hosts.shm("a"))) == [f"{name}-0", f"{name}-1"]
+    assert os.listdir(hosts.shm("b")) == [f"{name}-2"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(name)]
+
+
 def test_a_rank_that_exits_before_it_reported_done_has_failed():
     with _launch.start_commands([sys.executable, "-c", "pass"], 2) as job:
         deadline = time.monotonic() + 30

@@ -28,9 +28,10 @@ import test_p2p as p2p
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                       reference, train, unpack)
 from harness import RankContext, Ranks
-from hosts import HostRanks, why_not
+from hosts import HostRanks
+from pyddp import _launch
 
-SKIP = why_not()
+SKIP = _launch.simulated_hosts_unavailable()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"simulated hosts: {SKIP}")
 
 TIMEOUT = datetime.timedelta(seconds=60)

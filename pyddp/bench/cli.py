@@ -18,8 +18,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from pyddp.bench import launch, plot, report
-from pyddp.bench.peers import BASELINES, PEERS
+from pyddp.bench import across_hosts, launch, plot, report
+from pyddp.bench.peers import BASELINES, HOST_PEERS, PEERS
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.ops import OPS, REDOPS, REDUCING_OPS, exact_limit, largest_value
 from pyddp.bench.sizes import format_size, parse_size, size_sweep
@@ -100,9 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size multiplier between steps, at least 2 (default: 4)")
     parser.add_argument("--ops", type=_names(OPS), default=["all_reduce"],
                         help=f"'all' or a comma list from {', '.join(OPS)} (default: all_reduce)")
-    parser.add_argument("--peers", "--backends", type=_names(PEERS), default=list(PEERS),
+    parser.add_argument("--peers", "--backends", type=_names(PEERS), default=None,
                         help=f"'all' or a comma list from {', '.join(PEERS)} (default: all; "
-                             "those that cannot run here are listed as skipped, with why)")
+                             f"with --hosts: {','.join(HOST_PEERS)}; those that cannot run "
+                             "here are listed as skipped, with why)")
+    parser.add_argument("--hosts", type=_int_at_least(1), default=1,
+                        help="spread the ranks evenly over this many hosts simulated on this "
+                             "machine (each rank in namespaces of its own, with its host's "
+                             "hostname and private /dev/shm; loopback TCP between hosts; "
+                             "needs root), to time pyddp's backend 'auto' against gloo across "
+                             "hosts; the world size must be a multiple (default: 1, this "
+                             "machine as it is)")
     parser.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32",
                         help="element type (default: float32)")
     parser.add_argument("-o", "--redop", choices=REDOPS, default="sum",
@@ -180,6 +188,22 @@ def parse_options(argv: Optional[Sequence[str]] = None,
         sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as error:
         parser.error(f"-b/-e/-f: {error}")
+    peers = args.peers if args.peers is not None else list(PEERS)
+    if args.hosts > 1:
+        if launch_env is not None:
+            parser.error("--hosts: the tool simulates the hosts of the ranks it starts; under "
+                         "torchrun it starts none")
+        try:
+            across_hosts.placement(world_size, args.hosts)
+        except ValueError as error:
+            parser.error(f"--hosts {args.hosts}: {error}")
+        if args.peers is None:
+            peers = list(HOST_PEERS)
+        elif set(peers) - set(HOST_PEERS):
+            parser.error(f"--hosts: only {' and '.join(HOST_PEERS)} run across simulated "
+                         f"hosts, not {', '.join(p for p in peers if p not in HOST_PEERS)}")
+    if "sendrecv" in args.ops and world_size < 2:
+        parser.error("--ops sendrecv needs at least 2 ranks: every rank sends to the next")
     if "broadcast" in args.ops and args.root >= world_size:
         parser.error(f"--root {args.root} is not a rank of a world of {world_size}")
     reducing = [op for op in args.ops if op in REDUCING_OPS]
@@ -194,11 +218,11 @@ def parse_options(argv: Optional[Sequence[str]] = None,
                     "does not hold exactly; use a wider --dtype, fewer ranks or --no-check")
     if args.plot is not None and plot.unavailable() is not None:
         parser.error(plot.unavailable())
-    plan = Plan(world_size=world_size, sizes=sizes, ops=args.ops, peers=args.peers,
+    plan = Plan(world_size=world_size, sizes=sizes, ops=args.ops, peers=peers,
                 dtype=args.dtype, redop=args.redop, root=args.root, iters=args.iters,
                 warmup=args.warmup, target_seconds=args.target_time,
                 timeout_seconds=args.timeout, check=args.check, threads=args.threads,
-                trials=args.trials)
+                trials=args.trials, hosts=args.hosts)
     baselines = ({device: args.baseline for device in BASELINES} if args.baseline
                  else dict(BASELINES))
     return Options(plan, baselines, args.json, args.csv, args.plot, args.quiet)
@@ -266,7 +290,9 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     plan = options.plan
     speaker = launch_env is None or launch_env.rank == 0
     if speaker:
-        print(f"# pyddp.bench: {plan.world_size} ranks, {', '.join(plan.ops)}, {plan.dtype}, "
+        on_hosts = f" on {plan.hosts} simulated hosts" if plan.hosts > 1 else ""
+        print(f"# pyddp.bench: {plan.world_size} ranks{on_hosts}, {', '.join(plan.ops)}, "
+              f"{plan.dtype}, "
               f"{format_size(plan.sizes[0])} to {format_size(plan.sizes[-1])}, "
               f"peers {', '.join(plan.peers)}", flush=True)
     progress = _Progress(plan, options.quiet or not speaker)
@@ -285,6 +311,9 @@ def microbenchmark(argv: Optional[Sequence[str]] = None) -> int:
     if speaker:
         print(report.render(results, skipped, plan.ops, plan.peers, options.baselines,
                             plan.check), flush=True)
+        if plan.hosts > 1:
+            print("\n" + report.simulated_hosts(
+                across_hosts.placement(plan.world_size, plan.hosts), results), flush=True)
         if options.json_path is not None:
             report.write_json(options.json_path, dataclasses.asdict(plan), results, skipped)
         if options.csv_path is not None:

@@ -7,7 +7,9 @@ environment, or all at once by Open MPI's mpirun when the MPI peer is
 wanted (an MPI world of more than one rank exists only for processes that
 mpirun started). Either way they rendezvous through a FileStore in RUN_DIR, a
 temporary directory, and report through one file of JSON lines per rank
-there, which this module polls.
+there, which this module polls. With ``--hosts``, each rank runs on a host
+simulated by the launcher (``_launch.SimulatedHosts``), whose private /dev/shm
+lives in RUN_DIR too.
 """
 
 import os
@@ -16,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from pyddp import _launch
+from pyddp.bench.across_hosts import placement
 from pyddp.bench.peers import MpiPeer, mpi_launchable
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.worker import PLAN_FILE, Event, Plan, decode, events_path
@@ -31,12 +34,19 @@ def run(plan: Plan, on_event: Callable[[Event], None] = lambda event: None) -> l
     ``on_event`` sees each event as it arrives (for a progress bar). Every
     started process is reaped by the launcher, whether the run succeeded or not.
     """
+    if plan.hosts > 1:
+        reason = _launch.simulated_hosts_unavailable()
+        if reason is not None:
+            raise BenchError(f"--hosts {plan.hosts}: cannot simulate hosts here: {reason}")
     with _launch.Rendezvous(prefix="pyddp-bench-") as rendezvous:
         run_dir = rendezvous.directory
         plan.save(os.path.join(run_dir, PLAN_FILE))
         use_mpirun = MpiPeer.name in plan.peers and mpi_launchable() is None
         worker = [sys.executable, "-m", "pyddp.bench.worker", run_dir]
-        if use_mpirun:
+        if plan.hosts > 1:
+            hosts = _launch.SimulatedHosts(placement(plan.world_size, plan.hosts), run_dir)
+            job = hosts.start_commands(worker, log_dir=run_dir)
+        elif use_mpirun:
             job = _launch.start_launcher(_mpirun(plan.world_size) + worker, plan.world_size,
                                          log_dir=run_dir)
         else:

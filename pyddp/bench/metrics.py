@@ -15,6 +15,9 @@ def busbw_factor(op: str, world_size: int) -> float:
     - all_gather, reduce_scatter: (n-1)/n, with the size being the gathered
       (full, n-block) buffer
     - broadcast: 1
+    - all_to_all: (n-1)/n, with the size being each rank's whole (n-block)
+      send buffer: the block a rank keeps for itself moves no bytes
+    - sendrecv: 1 (every rank sends its buffer to the next, once)
     """
     n = world_size
     if n < 1:
@@ -24,6 +27,8 @@ def busbw_factor(op: str, world_size: int) -> float:
         "all_gather": (n - 1) / n,
         "reduce_scatter": (n - 1) / n,
         "broadcast": 1.0,
+        "all_to_all": (n - 1) / n,
+        "sendrecv": 1.0,
     }
     if op not in factors:
         raise ValueError(f"no busbw factor for op {op!r}; known: {sorted(factors)}")
@@ -35,7 +40,8 @@ class Result:
     """One measured (op, peer, size) point; a row of a table and of the JSON/CSV output.
 
     ``size`` is the message size in bytes as nccl-tests counts it (the
-    gathered buffer for all_gather and reduce_scatter) and ``count`` its
+    gathered buffer for all_gather and reduce_scatter, the whole send buffer
+    for all_to_all) and ``count`` its
     elements. ``detail`` names the library and its variant, ``device`` is
     "cpu" or "cuda". ``redop`` is "none" and ``root`` -1 where they do not apply.
     ``wrong`` is the number of wrong elements summed over ranks, None when

@@ -27,7 +27,8 @@ PROD_PERIOD = 3
 """prod inputs are 2 on every PROD_PERIOD-th (index + rank) and 1 elsewhere: products stay small."""
 
 DATA_PERIOD = 101
-"""all_gather and broadcast inputs are 1..DATA_PERIOD, distinct between ranks for n < 101."""
+"""Inputs of the collectives that move data without reducing it are 1..DATA_PERIOD, distinct
+between ranks for n < 101."""
 
 SENTINEL = 0
 """Outputs are filled with this before a checked run; no expected value is 0."""
@@ -43,7 +44,7 @@ def exact_limit(dtype: torch.dtype) -> int:
 
 def largest_value(op: str, redop: str, world_size: int) -> int:
     """The largest value any input, partial or expected output of ``op`` takes."""
-    if op in ("all_gather", "broadcast"):
+    if op not in REDUCING_OPS:
         return DATA_PERIOD
     if redop == "prod":
         return 2 ** math.ceil(world_size / PROD_PERIOD)
@@ -63,7 +64,7 @@ def reduce_input(rank: int, count: int, redop: str) -> torch.Tensor:
 
 
 def data_input(rank: int, count: int) -> torch.Tensor:
-    """Rank ``rank``'s input for all_gather and broadcast, as float64."""
+    """Rank ``rank``'s input for the collectives that do not reduce, as float64."""
     return ((torch.arange(count, dtype=torch.int64) + 7 * rank) % DATA_PERIOD + 1).to(
         torch.float64)
 
@@ -148,19 +149,32 @@ class _Buffers:
         return self._expected
 
 
-class _InPlaceCase:
+class _Sized:
+    """``count`` and ``nbytes`` of a case, from ``_message``: the buffer that nccl-tests
+    sizes the collective by."""
+
+    @property
+    def _message(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def count(self) -> int:
+        return self._message.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._message.numel() * self._message.element_size()
+
+
+class _InPlaceCase(_Sized):
     """A case whose collective works in place on ``tensor``, restored from ``_input``."""
 
     tensor: torch.Tensor
     _input: torch.Tensor
 
     @property
-    def count(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    def _message(self) -> torch.Tensor:
+        return self.tensor
 
     def reset(self) -> None:
         self.tensor.copy_(self._input)
@@ -218,12 +232,27 @@ class BroadcastCase(_InPlaceCase):
         return count_mismatches(self.tensor, expected, "none")
 
 
+class _OutOfPlaceCase(_Sized):
+    """A case that reads ``input`` and writes ``output``, which ``reset`` blanks; sized by
+    ``input`` unless a subclass says otherwise (nccl-tests counts the larger buffer)."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+
+    @property
+    def _message(self) -> torch.Tensor:
+        return self.input
+
+    def reset(self) -> None:
+        self.output.fill_(SENTINEL)
+
+
 def _block_count(nbytes: int, dtype: torch.dtype, world_size: int) -> int:
     """Elements per rank's block when ``nbytes`` is the whole n-block buffer (at least 1)."""
     return max(1, nbytes // (dtype.itemsize * world_size))
 
 
-class AllGatherCase:
+class AllGatherCase(_OutOfPlaceCase):
     """All-gather of ``data_input`` (one block per rank) into a sentinel-filled buffer."""
 
     def __init__(self, buffers: _Buffers, block: int) -> None:
@@ -240,15 +269,8 @@ class AllGatherCase:
                    _block_count(nbytes, dtype, world_size))
 
     @property
-    def count(self) -> int:
-        return self.output.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.output.numel() * self.output.element_size()
-
-    def reset(self) -> None:
-        self.output.fill_(SENTINEL)
+    def _message(self) -> torch.Tensor:
+        return self.output
 
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.all_gather(self.output, self.input)
@@ -260,7 +282,7 @@ class AllGatherCase:
         return count_mismatches(self.output, expected, "none")
 
 
-class ReduceScatterCase:
+class ReduceScatterCase(_OutOfPlaceCase):
     """Reduce-scatter of an n-block ``reduce_input``: rank r gets block r of the reduction."""
 
     def __init__(self, buffers: _Buffers, block: int, redop: str) -> None:
@@ -276,17 +298,6 @@ class ReduceScatterCase:
         return cls(_Buffers(rank, world_size, dtype, device),
                    _block_count(nbytes, dtype, world_size), redop)
 
-    @property
-    def count(self) -> int:
-        return self.input.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.input.numel() * self.input.element_size()
-
-    def reset(self) -> None:
-        self.output.fill_(SENTINEL)
-
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.reduce_scatter(self.output, self.input, self._redop)
 
@@ -298,6 +309,60 @@ class ReduceScatterCase:
         return count_mismatches(self.output, expected, self._redop)
 
 
+class AllToAllCase(_OutOfPlaceCase):
+    """All-to-all (even splits) of an n-block ``data_input``: block k of rank r's input
+    lands in block r of rank k's output."""
+
+    def __init__(self, buffers: _Buffers, block: int) -> None:
+        self._b = buffers
+        self.input = buffers.place(data_input(buffers.rank, block * buffers.world_size))
+        self.output = torch.empty_like(self.input)
+        self.reset()
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "AllToAllCase":
+        return cls(_Buffers(rank, world_size, dtype, device),
+                   _block_count(nbytes, dtype, world_size))
+
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.all_to_all(self.output, self.input)
+
+    def count_wrong(self) -> int:
+        n = self._b.world_size
+        block = self.input.numel() // n
+        start = self._b.rank * block
+        expected = self._b.expected(lambda: torch.cat(
+            [data_input(r, block * n)[start:start + block] for r in range(n)]))
+        return count_mismatches(self.output, expected, "none")
+
+
+class SendRecvCase(_OutOfPlaceCase):
+    """A ring exchange, as nccl-tests' sendrecv: every rank sends its ``data_input`` to
+    rank + 1 and receives rank - 1's, at once."""
+
+    def __init__(self, buffers: _Buffers, count: int) -> None:
+        self._b = buffers
+        self.input = buffers.place(data_input(buffers.rank, count))
+        self.output = torch.empty_like(self.input)
+        self.reset()
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "SendRecvCase":
+        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize)
+
+    def _neighbour(self, step: int) -> int:
+        return (self._b.rank + step) % self._b.world_size
+
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.sendrecv(self.output, self.input, self._neighbour(1), self._neighbour(-1))
+
+    def count_wrong(self) -> int:
+        expected = self._b.expected(lambda: data_input(self._neighbour(-1), self.count))
+        return count_mismatches(self.output, expected, "none")
+
+
 CaseFactory = Callable[[int, torch.dtype, torch.device, int, int, str, int], Case]
 """``prepare(nbytes, dtype, device, rank, world_size, redop, root)``: buffers of about ``nbytes``.
 """
@@ -307,6 +372,8 @@ OPS: dict[str, CaseFactory] = {
     "all_gather": AllGatherCase.prepare,
     "broadcast": BroadcastCase.prepare,
     "reduce_scatter": ReduceScatterCase.prepare,
+    "all_to_all": AllToAllCase.prepare,
+    "sendrecv": SendRecvCase.prepare,
 }
 
 REDUCING_OPS = frozenset({"all_reduce", "reduce_scatter"})

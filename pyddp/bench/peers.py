@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Protocol
@@ -46,6 +47,8 @@ class RankContext:
     base_store: dist.Store
     timeout: datetime.timedelta
     mpi_launched: bool
+    hosts: int
+    """Simulated hosts the ranks are spread over (--hosts); 1: this machine as it is."""
 
     def store(self, name: str) -> dist.Store:
         """The run's store under the prefix ``name``, shared by all ranks."""
@@ -77,6 +80,13 @@ class Peer(Protocol):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
         """``output`` on rank r = block r of ``input`` reduced across ranks."""
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        """Block k of ``input`` goes to rank k, block k of ``output`` comes from rank k
+        (n equal blocks)."""
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        """Sends ``input`` to rank ``dst`` while receiving ``output`` from rank ``src``."""
+
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
 
@@ -98,6 +108,21 @@ _TORCH_OPS = {
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
+
+MESSAGE_OPS = ("all_to_all", "sendrecv")
+"""The benchmarked operations that move messages between pairs of ranks."""
+
+
+def _exchange(lib: types.ModuleType, group: object, output: torch.Tensor, input: torch.Tensor,
+              dst: int, src: int) -> Run:
+    """``sendrecv`` through ``lib``'s batch_isend_irecv and P2POp (torch.distributed's, or
+    pyddp's, which has the same API) on ``group``: both started at once, then waited for."""
+    ops = [lib.P2POp(lib.isend, input, dst, group), lib.P2POp(lib.irecv, output, src, group)]
+
+    def run() -> None:
+        for work in lib.batch_isend_irecv(ops):
+            work.wait()
+    return run
 
 
 # Several ranks on one GPU: NCCL allows it from this version on, with
@@ -157,6 +182,13 @@ class _TorchGroupCalls:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
         op, group = _TORCH_OPS[redop], self._group
         return lambda: _reduce_scatter_single(output, input, op, group=group)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        group = self._group
+        return lambda: dist.all_to_all_single(output, input, group=group)
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        return _exchange(dist, self._group, output, input, dst, src)
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)
@@ -230,7 +262,9 @@ class _PyddpPeer:
     """A pyddp ProcessGroup of one transport (``_transport``) and algorithm (``_algo``).
 
     The algorithm is chosen the way a user chooses it, with PYDDP_ALGO, which
-    pyddp reads when the group is created.
+    pyddp reads when the group is created. ``_messages`` says whether the
+    transport moves messages between pairs of ranks (all-to-all and
+    point-to-point); pyddp refuses those where it does not.
     """
 
     checked: ClassVar[bool] = True
@@ -239,12 +273,20 @@ class _PyddpPeer:
     _transport: ClassVar[str]
     _algo: ClassVar[Optional[str]] = None
     _cuda: ClassVar[bool]
+    _messages: ClassVar[bool] = True
 
     def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
         self._group = group
         self.device = device
         algo = self._algo or os.environ.get("PYDDP_ALGO", "auto")
-        self.detail = f"pyddp {self._transport}, PYDDP_ALGO={algo}"
+        self.detail = f"pyddp {group.backend}, PYDDP_ALGO={algo}"
+        if group.backend == "auto":
+            self.detail += f"; {group.layout()}"
+
+    @classmethod
+    def _backend(cls, ctx: RankContext) -> str:
+        """The pyddp backend the group is made with."""
+        return cls._transport
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
@@ -253,8 +295,8 @@ class _PyddpPeer:
             if reason is not None:
                 return reason
         available = tuple(getattr(pyddp, "BACKENDS", ()))
-        if cls._transport not in available:
-            return (f"this pyddp build has no {cls._transport!r} backend "
+        if cls._backend(ctx) not in available:
+            return (f"this pyddp build has no {cls._backend(ctx)!r} backend "
                     f"(it has {', '.join(available) or 'none'})")
         return None
 
@@ -263,11 +305,15 @@ class _PyddpPeer:
         device = _cuda_device(ctx) if cls._cuda else torch.device("cpu")
         env = {"PYDDP_ALGO": cls._algo} if cls._algo else {}
         with temporary_environ(env):
-            group = pyddp.new_group(cls._transport, store=ctx.store(cls.name), rank=ctx.rank,
-                                    world_size=ctx.world_size, timeout=ctx.timeout)
+            group = pyddp.new_group(cls._backend(ctx), store=ctx.store(cls.name),
+                                    rank=ctx.rank, world_size=ctx.world_size,
+                                    timeout=ctx.timeout)
         return cls(group, device)
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op in MESSAGE_OPS and not self._messages:
+            return (f"pyddp's {self._transport} transport has no messages between pairs of "
+                    "ranks, so pyddp refuses all-to-all and point-to-point on it")
         return None
 
     def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
@@ -286,6 +332,13 @@ class _PyddpPeer:
         op, group = _TORCH_OPS[redop], self._group
         return lambda: group.reduce_scatter_single(output, input, op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        group = self._group
+        return lambda: group.all_to_all_single(output, input)
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        return _exchange(pyddp, self._group, output, input, dst, src)
+
     def barrier(self) -> None:
         self._group.barrier()
 
@@ -298,11 +351,16 @@ class _PyddpPeer:
 
 
 class PyddpShmPeer(_PyddpPeer):
-    """pyddp over shared memory (CPU tensors)."""
+    """pyddp over shared memory (CPU tensors); across simulated hosts (--hosts), pyddp's
+    backend "auto", which composes shared memory inside each host with gloo between hosts."""
 
     name = "pyddp"
     _transport = "shm"
     _cuda = False
+
+    @classmethod
+    def _backend(cls, ctx: RankContext) -> str:
+        return "auto" if ctx.hosts > 1 else cls._transport
 
 
 class PyddpIpcRingPeer(_PyddpPeer):
@@ -312,6 +370,7 @@ class PyddpIpcRingPeer(_PyddpPeer):
     _transport = "cuda_ipc"
     _algo = "ring"
     _cuda = True
+    _messages = False
 
 
 class PyddpIpcDirectPeer(_PyddpPeer):
@@ -321,6 +380,7 @@ class PyddpIpcDirectPeer(_PyddpPeer):
     _transport = "cuda_ipc"
     _algo = "direct"
     _cuda = True
+    _messages = False
 
 
 class PyddpNcclPeer(_PyddpPeer):
@@ -337,6 +397,7 @@ class PyddpNcclRingPeer(_PyddpPeer):
     name = "pyddp_nccl_ring"
     _transport = "nccl_ring"
     _cuda = True
+    _messages = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,6 +496,14 @@ class MpiPeer:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
         comm, out, inp, op = self._comm, self._buffer(output), self._buffer(input), self._ops[redop]
         return lambda: comm.Reduce_scatter_block(inp, out, op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        comm, out, inp = self._comm, self._buffer(output), self._buffer(input)
+        return lambda: comm.Alltoall(inp, out)
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        comm, out, inp = self._comm, self._buffer(output), self._buffer(input)
+        return lambda: comm.Sendrecv(inp, dst, recvbuf=out, source=src)
 
     def barrier(self) -> None:
         self._comm.Barrier()
@@ -537,6 +606,12 @@ class DeepSpeedShmPeer:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
         raise NotImplementedError("deepspeed: reduce_scatter is not supported (see unsupported)")
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        raise NotImplementedError("deepspeed: all_to_all is not supported (see unsupported)")
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        raise NotImplementedError("deepspeed: sendrecv is not supported (see unsupported)")
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -590,6 +665,12 @@ class LimitPeer:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
         return self._copy(input)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        return self._copy(input)
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        return self._copy(input)
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -607,6 +688,10 @@ PEERS: dict[str, type] = {
         PyddpNcclRingPeer)
 }
 """Every peer the tool knows, CPU ones first, in table order."""
+
+HOST_PEERS = (PyddpShmPeer.name, GlooPeer.name)
+"""The peers that run across simulated hosts (--hosts): pyddp, with its backend "auto", and
+gloo."""
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 """The peer every other peer on a device is compared with by default."""

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from pyddp.bench.across_hosts import flat_ring_inter_host_bytes, hierarchical_inter_host_bytes
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.peers import CEILINGS
 
@@ -95,6 +96,55 @@ def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[
     else:
         blocks.append("# wrong elements: not checked (--no-check)")
     return "\n\n".join(blocks)
+
+
+def _ranks_on_hosts(hosts_of: Sequence[str]) -> str:
+    """"ranks 0,1 on host0; ranks 2,3 on host1"."""
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts_of):
+        ranks.setdefault(host, []).append(rank)
+    return "; ".join(f"ranks {','.join(map(str, rs))} on {host}" for host, rs in ranks.items())
+
+
+_HOSTS_ROW = "{:>12}  {:>14}  {:>14}  {:>10}  {:>14}  {:>14}"
+
+
+def simulated_hosts(hosts_of: Sequence[str], results: Sequence[Result]) -> str:
+    """What a run on simulated hosts means, and, per all_reduce size in ``results``, the
+    bytes that cross hosts for a flat ring over every rank (gloo) and for pyddp's layout.
+
+    ``hosts_of[r]`` names the host of rank r (an even placement).
+    """
+    hosts = len(set(hosts_of))
+    per_host = len(hosts_of) // hosts
+    layout = ("hierarchical: a reduce-scatter inside each host, an all-reduce of each "
+              f"rank's 1/{per_host} shard across hosts, an all-gather inside each host"
+              if per_host > 1 else "one rank per host: gloo alone")
+    lines = [
+        f"# simulated hosts: {hosts} hosts x {per_host} ranks ({_ranks_on_hosts(hosts_of)}), "
+        "each its own UTS and mount namespace with a private /dev/shm, connected by "
+        "loopback TCP",
+        "# loopback is not a network: bytes between these hosts move at memory speed, so the "
+        "times and bandwidths above are not those of real hosts; only the ratio of pyddp to "
+        "gloo, measured on the same ranks and placement, means something",
+    ]
+    sizes = sorted({r.size for r in results if r.op == "all_reduce"})
+    if not sizes:
+        return "\n".join(lines)
+    lines += [
+        f"# bytes that cross hosts per all_reduce (ring model): gloo's flat ring over all "
+        f"{len(hosts_of)} ranks, {hosts} of whose links cross hosts, against pyddp auto "
+        f"({layout}); in all, and from the rank that sends the most",
+        "#" + _HOSTS_ROW.format("size (B)", "gloo all", "pyddp all", "pyddp/gloo",
+                                "gloo busiest", "pyddp busiest")[1:],
+    ]
+    for size in sizes:
+        flat = flat_ring_inter_host_bytes(size, hosts_of)
+        hier = hierarchical_inter_host_bytes(size, hosts_of)
+        lines.append(_HOSTS_ROW.format(size, f"{sum(flat):.0f}", f"{sum(hier):.0f}",
+                                       f"{sum(hier) / sum(flat):.3f}", f"{max(flat):.0f}",
+                                       f"{max(hier):.0f}"))
+    return "\n".join(lines)
 
 
 def environment() -> dict[str, Any]:

@@ -69,6 +69,8 @@ class Plan:
     check: bool
     threads: int
     trials: int
+    hosts: int
+    """Simulated hosts the ranks are spread over, evenly (--hosts); 1: this machine as it is."""
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -115,7 +117,7 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
     """
     timeout = datetime.timedelta(seconds=plan.timeout_seconds)
     ctx = RankContext(launch.rank, launch.world_size, launch.local_rank,
-                      launch.local_world_size, store, timeout, launch.by_mpirun)
+                      launch.local_world_size, store, timeout, launch.by_mpirun, plan.hosts)
     dist.init_process_group("gloo", store=ctx.store("gloo"), rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
     dtype = DTYPES[plan.dtype]
