@@ -276,9 +276,10 @@ def test_segment_checks():
 
 
 def test_a_dev_shm_too_small_for_the_segments_is_said_with_the_fix(tmp_path):
-    from hosts import why_not
-    if why_not() is not None:
-        pytest.skip(f"a private /dev/shm: {why_not()}")
+    from pyddp import _launch
+    why_not = _launch.simulated_hosts_unavailable()
+    if why_not is not None:
+        pytest.skip(f"a private /dev/shm: {why_not}")
     script = textwrap.dedent(f"""
         import datetime
         import torch.distributed as dist
@@ -288,7 +289,7 @@ def test_a_dev_shm_too_small_for_the_segments_is_said_with_the_fix(tmp_path):
     """)
     # A tmpfs of 64 KiB on /dev/shm, seen by this process alone.
     run = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+        [*_launch.UNSHARE, "sh", "-c",
          'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable,
          script], capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
