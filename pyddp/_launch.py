@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -386,6 +387,22 @@ class Job:
             time.sleep(min(POLL_SECONDS, left))
         return list(self.results)
 
+    def follow(self, lines: Any, stall_seconds: float, show: Callable[[str], None]) -> list[Any]:
+        """``wait``, for ranks that report progress: each line they put in the queue
+        ``lines`` goes to ``show`` as it comes, and ``RanksTimedOut`` is raised when no
+        line has come for ``stall_seconds`` (``STARTUP_SECONDS`` more before the first).
+        When it returns, every line the ranks put has been shown.
+        """
+        deadline = time.monotonic() + STARTUP_SECONDS + stall_seconds
+        while not self.poll():
+            if _show_lines(lines, POLL_SECONDS, show):
+                deadline = time.monotonic() + stall_seconds
+            elif time.monotonic() > deadline:
+                raise RanksTimedOut(f"no progress from the ranks for {stall_seconds:.0f} s")
+        # The ranks have exited, so every line they put is in the queue.
+        _show_lines(lines, 0.0, show)
+        return list(self.results)
+
     def kill(self) -> None:
         """Kills every process still running, now, by its pid, and waits for it to exit."""
         for process in self._processes:
@@ -432,6 +449,18 @@ class Job:
     def __exit__(self, exc_type: Optional[type[BaseException]],
                  exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.reap(JOIN_SECONDS if exc_type is None else ABORT_JOIN_SECONDS)
+
+
+def _show_lines(lines: Any, timeout: float, show: Callable[[str], None]) -> bool:
+    """Passes the lines in the queue to ``show``, waiting up to ``timeout`` for the first;
+    whether there was any."""
+    shown = False
+    try:
+        while True:
+            show(lines.get(timeout=timeout))
+            shown, timeout = True, 0.0
+    except queue.Empty:
+        return shown
 
 
 def _rank_value(values: Optional[RankEnv], rank: int) -> Mapping[str, str]:

@@ -5,6 +5,7 @@ the function ranks import this module, and with it torch (seconds), so only
 two tests spawn them. Every test checks that no process it started is left.
 """
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -71,6 +72,40 @@ def test_function_ranks_return_results_by_rank():
     assert job.exitcodes() == [0, 0]
     assert "PYDDP_TEST_LAUNCH" not in os.environ
     assert all(_gone(pid) for pid in pids)
+
+
+def _report(rank: int, lines, stall_after: int) -> int:
+    for k in range(3):
+        lines.put(f"rank {rank} line {k}")
+        if k == stall_after:
+            time.sleep(60)
+    return rank
+
+
+def test_follow_shows_every_line_and_returns_the_results():
+    lines = multiprocessing.get_context("spawn").Queue()
+    shown = []
+    try:
+        with _launch.spawn(_report, 2, (lines, 99)) as job:
+            assert job.follow(lines, 60, shown.append) == [0, 1]
+    finally:
+        lines.close()
+    assert sorted(shown) == [f"rank {r} line {k}" for r in range(2) for k in range(3)]
+
+
+def test_follow_stops_a_job_that_reports_nothing_for_too_long(short_abort):
+    lines = multiprocessing.get_context("spawn").Queue()
+    shown, pids = [], []
+    try:
+        # The rank would return after its sleep: only the stall ends the wait before.
+        with pytest.raises(RanksTimedOut, match="no progress from the ranks for 2 s"):
+            with _launch.spawn(_report, 1, (lines, 0)) as job:
+                pids.append(job.pid(0))
+                job.follow(lines, 2, shown.append)
+    finally:
+        lines.close()
+    assert shown == ["rank 0 line 0"]
+    assert _gone(pids[0])
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback(short_abort):

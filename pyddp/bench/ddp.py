@@ -22,7 +22,6 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
-import queue as queue_module
 import statistics
 import sys
 import time
@@ -129,34 +128,10 @@ def _run(args: argparse.Namespace) -> Dict[str, object]:
         with _launch.Rendezvous(prefix="pyddp-bench-ddp-") as rendezvous:
             with _launch.spawn(_measure, args.world_size,
                                (args, rendezvous.directory, progress)) as job:
-                _wait(job, progress, args.timeout)
-            # The ranks have exited, so every line rank 0 sent is in the queue.
-            _show_progress(progress, 0.0)
-            return job.results[0]
+                return job.follow(progress, args.timeout,
+                                  lambda line: print(f"# {line}", flush=True))[0]
     finally:
         progress.close()
-
-
-def _wait(job: _launch.Job, progress, stall_seconds: float) -> None:
-    """Shows progress until every rank has returned its report; raises if a rank fails, or
-    nothing arrives for ``stall_seconds`` (plus start-up time before the first round)."""
-    deadline = time.monotonic() + _launch.STARTUP_SECONDS + stall_seconds
-    while not job.poll():
-        if _show_progress(progress, _launch.POLL_SECONDS):
-            deadline = time.monotonic() + stall_seconds
-        elif time.monotonic() > deadline:
-            raise RuntimeError(f"no progress for {stall_seconds:.0f} s; stopping the run")
-
-
-def _show_progress(progress, timeout: float) -> bool:
-    """Prints the lines in ``progress``, waiting up to ``timeout`` for the first; True if any."""
-    shown = False
-    try:
-        while True:
-            print(f"# {progress.get(timeout=timeout)}", flush=True)
-            shown, timeout = True, 0.0
-    except queue_module.Empty:
-        return shown
 
 
 def _measure(rank: int, args: argparse.Namespace, store_dir: str, progress

@@ -21,8 +21,8 @@ that malloc_trim(0) gives back.)
 
 At the end of a cycle (nothing in flight, the cycle's group destroyed) each
 rank samples its resident memory, open file descriptors, threads, bytes of
-pyddp's shared memory it maps, and the pyddp entries in /dev/shm, and prints
-them. The samples taken during warm-up are shown but not judged (allocators,
+pyddp's shared memory it maps, and the pyddp entries in /dev/shm (those of
+every pyddp job on the host: run the soak alone), and prints them. The samples taken during warm-up are shown but not judged (allocators,
 torch's and pyddp's lazily made buffers and threads settle then); every later
 sample must not exceed the first one after warm-up: by nothing for the counts
 and mapped bytes, by ``RSS_TOLERANCE_BYTES`` for resident memory. Exits 1 when
@@ -36,7 +36,6 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
-import queue as queue_module
 import sys
 import time
 from typing import Dict, List
@@ -137,22 +136,16 @@ def main(args: argparse.Namespace) -> int:
           f"{args.sample_seconds:g} s, warm-up {args.warmup_seconds:g} s")
     print(f"{'t (s)':>7} {'rank':>4} {'rss (MiB)':>10} {'fds':>5} {'threads':>7} "
           f"{'shm mapped (MiB)':>16} {'/dev/shm':>8}  cycles")
-    samples = mp.get_context("spawn").Queue()
+    lines = mp.get_context("spawn").Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        with _launch.spawn(_rank, args.world_size, (args, store.port, samples)) as job:
-            stall = args.sample_seconds + args.timeout
-            deadline = time.monotonic() + _launch.STARTUP_SECONDS + stall
-            while not job.poll():
-                if _show(samples, _launch.POLL_SECONDS):
-                    deadline = time.monotonic() + stall
-                elif time.monotonic() > deadline:
-                    raise RuntimeError(f"no sample for {stall:.0f} s; stopping the soak")
-        _show(samples, 0.0)
-        judged: Dict[int, List[Resources]] = dict(enumerate(job.results))
+        with _launch.spawn(_rank, args.world_size, (args, store.port, lines)) as job:
+            kept = job.follow(lines, args.sample_seconds + args.timeout,
+                              lambda line: print(line, flush=True))
     finally:
-        samples.close()
+        lines.close()
+    judged: Dict[int, List[Resources]] = dict(enumerate(kept))
     failures = [f"rank {rank}: {what}" for rank, kept in judged.items() for what in growth(kept)]
     for line in failures:
         print(f"GREW {line}")
@@ -161,18 +154,11 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _show(samples, timeout: float) -> bool:
-    """Prints the samples in the queue, waiting up to ``timeout`` for the first; True if any."""
-    shown = False
-    try:
-        while True:
-            t, rank, r, cycles, warm = samples.get(timeout=timeout)
-            print(f"{t:>7.0f} {rank:>4} {r.rss_bytes / 2**20:>10.1f} {r.fds:>5} {r.threads:>7} "
-                  f"{r.shm_mapped_bytes / 2**20:>16.2f} {r.shm_entries:>8}  {cycles}"
-                  f"{'  (warm-up)' if warm else ''}", flush=True)
-            shown, timeout = True, 0.0
-    except queue_module.Empty:
-        return shown
+def _line(t: float, rank: int, r: Resources, cycles: int, warm: bool) -> str:
+    """One row of the table of samples."""
+    return (f"{t:>7.0f} {rank:>4} {r.rss_bytes / 2**20:>10.1f} {r.fds:>5} {r.threads:>7} "
+            f"{r.shm_mapped_bytes / 2**20:>16.2f} {r.shm_entries:>8}  {cycles}"
+            f"{'  (warm-up)' if warm else ''}")
 
 
 class _Model(nn.Module):
@@ -228,7 +214,7 @@ def _cycle(pg, cycle: int) -> None:
     pg.barrier(async_op=True).wait()
 
 
-def _rank(rank: int, args: argparse.Namespace, store_port: int, samples) -> List[Resources]:
+def _rank(rank: int, args: argparse.Namespace, store_port: int, lines) -> List[Resources]:
     """One rank: cycles until rank 0 calls the end; its samples after warm-up."""
     import pyddp
     from pyddp.ddp import DistributedDataParallel
@@ -271,7 +257,7 @@ def _rank(rank: int, args: argparse.Namespace, store_port: int, samples) -> List
                 warm = elapsed < args.warmup_seconds
                 if not warm:
                     kept.append(resources)
-                samples.put((elapsed, rank, resources, cycle, warm))
+                lines.put(_line(elapsed, rank, resources, cycle, warm))
                 next_sample += args.sample_seconds
             if stop:
                 return kept
