@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import pyddp_segments  # noqa: E402
+from harness import Ranks, pyddp_segments  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -15,3 +15,11 @@ def no_leaked_segments():
     yield
     leaked = set(pyddp_segments()) - before
     assert not leaked, f"pyddp shared-memory segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="module")
+def two():
+    """Two ranks for a module's tests (a module may define its own, with a setup)."""
+    pool = Ranks(2)
+    yield pool
+    pool.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -163,6 +164,19 @@ def collect(conns: List[Any], job: _launch.Job, timeout: float, what: str, allow
     if failures:
         raise RankFailure(f"{what} failed:\n" + "\n".join(failures))
     return results
+
+
+def raises(exc_type: type, pattern: str, fn: Callable, *args: Any, **kwargs: Any) -> str:
+    """The message of the ``exc_type`` that ``fn(*args, **kwargs)`` raises, which must
+    match the regular expression ``pattern``; AssertionError if it does not raise it."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as error:
+        message = str(error)
+        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
+        return message
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__} "
+                         f"({pattern})")
 
 
 def pyddp_segments() -> List[str]:

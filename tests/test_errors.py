@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp
-from harness import Died, RankContext, Ranks, pyddp_segments
+from harness import Died, RankContext, Ranks, pyddp_segments, raises
 
 ReduceOp = pyddp.ReduceOp
 SHORT = datetime.timedelta(seconds=2)
@@ -45,23 +45,6 @@ def _ring_group(ctx: RankContext, name: str, timeout: datetime.timedelta) -> pyd
                          options=options)
     ctx.groups[name] = pg
     return pg
-
-
-def _raises(exc_type, pattern: str, fn, *args, **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except exc_type as error:
-        message = str(error)
-        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
-        return message
-    raise AssertionError(f"{fn.__name__} did not raise {exc_type.__name__} ({pattern})")
-
-
-@pytest.fixture(scope="module")
-def two():
-    pool = Ranks(2)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")
@@ -210,35 +193,35 @@ def _bad_inputs(ctx: RankContext) -> None:
     pg = _group(ctx, "bad-inputs")
     n, r = ctx.world_size, ctx.rank
     who = f"rank {r}"
-    _raises(TypeError, f"{who}: all_reduce: tensor is on meta; .* serves cpu tensors",
+    raises(TypeError, f"{who}: all_reduce: tensor is on meta; .* serves cpu tensors",
             pg.all_reduce, torch.ones(2, device="meta"))
-    _raises(ValueError, f"{who}: all_gather_single: output has {2 * n + 1} elements, "
+    raises(ValueError, f"{who}: all_gather_single: output has {2 * n + 1} elements, "
             f"expected {2 * n}", pg.all_gather_single, torch.zeros(2 * n + 1), torch.zeros(2))
-    _raises(ValueError, f"{who}: reduce_scatter_single: input has 7 elements, expected {3 * n}",
+    raises(ValueError, f"{who}: reduce_scatter_single: input has 7 elements, expected {3 * n}",
             pg.reduce_scatter_single, torch.zeros(3), torch.zeros(7))
-    _raises(ValueError, f"{who}: all_gather: tensor_list has 1 tensors, expected world_size",
+    raises(ValueError, f"{who}: all_gather: tensor_list has 1 tensors, expected world_size",
             pg.all_gather, [torch.zeros(2)], torch.zeros(2))
-    _raises(ValueError, f"{who}: all_gather: tensor_list entry has 3 elements, expected 2",
+    raises(ValueError, f"{who}: all_gather: tensor_list entry has 3 elements, expected 2",
             pg.all_gather, [torch.zeros(3)] * n, torch.zeros(2))
-    _raises(TypeError, f"{who}: all_gather_single: output dtype .* differs",
+    raises(TypeError, f"{who}: all_gather_single: output dtype .* differs",
             pg.all_gather_single, torch.zeros(2 * n, dtype=torch.float64), torch.zeros(2))
     for dtype in (torch.int16, torch.bool, torch.complex64):
-        _raises(TypeError, f"{who}: all_reduce: tensor has dtype .*; supported",
+        raises(TypeError, f"{who}: all_reduce: tensor has dtype .*; supported",
                 pg.all_reduce, torch.zeros(2, dtype=dtype))
     for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
-        _raises(TypeError, f"{who}: all_reduce: .* is not supported", pg.all_reduce,
+        raises(TypeError, f"{who}: all_reduce: .* is not supported", pg.all_reduce,
                 torch.zeros(2), op)
-    _raises(TypeError, f"{who}: all_reduce: ReduceOp.AVG needs a floating-point tensor",
+    raises(TypeError, f"{who}: all_reduce: ReduceOp.AVG needs a floating-point tensor",
             pg.all_reduce, torch.zeros(2, dtype=torch.int32), ReduceOp.AVG)
-    _raises(TypeError, f"{who}: reduce_scatter_single: ReduceOp.AVG needs a floating",
+    raises(TypeError, f"{who}: reduce_scatter_single: ReduceOp.AVG needs a floating",
             pg.reduce_scatter_single, torch.zeros(1, dtype=torch.int64),
             torch.zeros(n, dtype=torch.int64), ReduceOp.AVG)
     for src in (-1, n):
-        _raises(ValueError, f"{who}: broadcast: src={src} is not a rank of this group",
+        raises(ValueError, f"{who}: broadcast: src={src} is not a rank of this group",
                 pg.broadcast, torch.zeros(2), src)
-    _raises(TypeError, f"{who}: all_reduce: tensor must be a torch.Tensor", pg.all_reduce,
+    raises(TypeError, f"{who}: all_reduce: tensor must be a torch.Tensor", pg.all_reduce,
             [1.0, 2.0])
-    _raises(TypeError, f"{who}: broadcast: src must be an int", pg.broadcast, torch.zeros(1), "0")
+    raises(TypeError, f"{who}: broadcast: src must be an int", pg.broadcast, torch.zeros(1), "0")
     # None of the refused calls reached the peers: the group still works.
     t = torch.ones(3)
     pg.all_reduce(t)
@@ -247,19 +230,19 @@ def _bad_inputs(ctx: RankContext) -> None:
 
 def _mismatch_count(ctx: RankContext) -> str:
     pg = _group(ctx, "mismatch-count")
-    message = _raises(dist.DistBackendError, "collective #1 differs between ranks",
+    message = raises(dist.DistBackendError, "collective #1 differs between ranks",
                       pg.all_reduce, torch.ones(4 + ctx.rank))
     # The failure left the group unusable, and later calls say so at once.
-    _raises(dist.DistBackendError, "earlier collective failed", pg.barrier)
+    raises(dist.DistBackendError, "earlier collective failed", pg.barrier)
     return message
 
 
 def _mismatch_kind(ctx: RankContext) -> str:
     pg = _group(ctx, "mismatch-kind")
     if ctx.rank == 0:
-        return _raises(dist.DistBackendError, "differs between ranks", pg.broadcast,
+        return raises(dist.DistBackendError, "differs between ranks", pg.broadcast,
                        torch.ones(4), 0)
-    return _raises(dist.DistBackendError, "differs between ranks", pg.all_reduce, torch.ones(4))
+    return raises(dist.DistBackendError, "differs between ranks", pg.all_reduce, torch.ones(4))
 
 
 def _absent_rank(ctx: RankContext) -> tuple:
@@ -268,7 +251,7 @@ def _absent_rank(ctx: RankContext) -> tuple:
         return None, 0.0  # never calls the collective
     start = time.monotonic()
     work = pg.all_reduce(torch.ones(10), async_op=True)
-    message = _raises(dist.DistBackendError, "did not arrive", work.wait)
+    message = raises(dist.DistBackendError, "did not arrive", work.wait)
     elapsed = time.monotonic() - start
     assert isinstance(work.exception(), dist.DistBackendError)
     assert work.is_completed()
@@ -278,7 +261,7 @@ def _absent_rank(ctx: RankContext) -> tuple:
 def _wait_for_dead_peer(ctx: RankContext) -> tuple:
     pg = _group(ctx, "dead", timeout=datetime.timedelta(seconds=60))
     start = time.monotonic()
-    message = _raises(dist.DistBackendError, "exited", pg.all_reduce, torch.ones(100_000))
+    message = raises(dist.DistBackendError, "exited", pg.all_reduce, torch.ones(100_000))
     return message, time.monotonic() - start
 
 
@@ -334,7 +317,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
     messages = []
     for field, call in calls:
         pg = _group(ctx, f"mismatch-{field}")
-        messages.append(_raises(dist.DistBackendError, "differs between ranks", call, pg))
+        messages.append(raises(dist.DistBackendError, "differs between ranks", call, pg))
     # The algorithm is part of the call too: ranks configured differently
     # (PYDDP_ALGO) must not run different algorithms against each other.
     options = pyddp.RingOptions()
@@ -343,7 +326,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
                          rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
                          options=options)
     ctx.groups["mismatch-algo"] = pg
-    messages.append(_raises(dist.DistBackendError, "differs between ranks", pg.all_reduce,
+    messages.append(raises(dist.DistBackendError, "differs between ranks", pg.all_reduce,
                             torch.ones(4)))
     return messages
 
@@ -351,7 +334,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
 def _mismatched_geometry(ctx: RankContext) -> str:
     options = pyddp.RingOptions()
     options.slot_bytes = 128 * (ctx.rank + 1)
-    return _raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
+    return raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
                    store=dist.FileStore(ctx.store_path("geometry"), ctx.world_size),
                    rank=ctx.rank, world_size=ctx.world_size,
                    timeout=datetime.timedelta(seconds=30), options=options)
@@ -359,9 +342,9 @@ def _mismatched_geometry(ctx: RankContext) -> str:
 
 def _overlapping_output(ctx: RankContext) -> None:
     pg = _group(ctx, "overlap")
-    _raises(ValueError, f"rank {ctx.rank}: all_reduce: tensor has elements that share memory",
+    raises(ValueError, f"rank {ctx.rank}: all_reduce: tensor has elements that share memory",
             pg.all_reduce, torch.ones(1).expand(4))
-    _raises(ValueError, "broadcast: tensor has elements that share memory", pg.broadcast,
+    raises(ValueError, "broadcast: tensor has elements that share memory", pg.broadcast,
             torch.ones(1).expand(4), 0)
     t = torch.ones(4)
     pg.all_reduce(t)  # refused calls never reached the peers
@@ -395,7 +378,7 @@ def _wait_with_timeout(ctx: RankContext) -> None:
         time.sleep(1.5)
     work = pg.all_reduce(torch.ones(4), async_op=True)
     if ctx.rank == 0:
-        _raises(dist.DistBackendError, "rank 0: all_reduce #1 did not complete within the 100 ms "
+        raises(dist.DistBackendError, "rank 0: all_reduce #1 did not complete within the 100 ms "
                 "given to Work.wait", work.wait, datetime.timedelta(milliseconds=100))
     assert work.wait(datetime.timedelta(seconds=30))
     assert work.get_future().value()[0].tolist() == [2.0] * 4
@@ -411,9 +394,9 @@ def _destroy_with_pending_work(ctx: RankContext) -> tuple:
     start = time.monotonic()
     pg.shutdown()
     elapsed = time.monotonic() - start
-    first = _raises(dist.DistBackendError, "destroyed while all_reduce #1 waited", running.wait)
-    _raises(dist.DistBackendError, "destroyed before this all_reduce ran", queued.wait)
-    _raises(RuntimeError, "destroyed", pg.all_reduce, torch.ones(1))
+    first = raises(dist.DistBackendError, "destroyed while all_reduce #1 waited", running.wait)
+    raises(dist.DistBackendError, "destroyed before this all_reduce ran", queued.wait)
+    raises(RuntimeError, "destroyed", pg.all_reduce, torch.ones(1))
     return first, elapsed
 
 
@@ -424,7 +407,7 @@ def _give_up_travels(ctx: RankContext) -> tuple:
     if ctx.rank == 0:
         time.sleep(4.0)
     start = time.monotonic()
-    message = _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
+    message = raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
     return message, time.monotonic() - start
 
 
@@ -515,11 +498,11 @@ def _stall_inside(ctx: RankContext) -> str:
     pg = _ring_group(ctx, "stall", datetime.timedelta(seconds=2 if ctx.rank == 0 else 60))
     if ctx.rank == 0:
         time.sleep(1.5)
-        return _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
+        return raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
     work = pg.all_reduce(torch.ones(100_000), async_op=True)
     time.sleep(0.75)
     os.kill(os.getpid(), signal.SIGSTOP)  # the test's timer sends SIGCONT
-    return _raises(dist.DistBackendError, ".", work.wait)
+    return raises(dist.DistBackendError, ".", work.wait)
 
 
 def test_a_peer_stalled_inside_the_collective_is_named():

@@ -8,6 +8,7 @@ afterwards, with bounded waits, and that nothing is left in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -28,22 +29,10 @@ import torch.distributed as dist
 
 import pyddp
 from fault_stores import Recording, Sabotage, forge_shm_blob, shm_blob_field
-from harness import Died, RankContext, Ranks, pyddp_segments
+from harness import Died, RankContext, Ranks, raises
 
 MINUTE = datetime.timedelta(seconds=60)
 SHM = "/dev/shm"
-
-
-def _raises(exc_type, pattern: str, fn, *args, **kwargs) -> str:
-    import re
-    try:
-        fn(*args, **kwargs)
-    except exc_type as error:
-        message = str(error)
-        assert re.search(pattern, message), f"{message!r} does not match {pattern!r}"
-        return message
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__} "
-                         f"({pattern})")
 
 
 def _exists(segment: str) -> bool:
@@ -64,13 +53,6 @@ def _group(ctx: RankContext, store: dist.Store, timeout=MINUTE, options=None,
     return pg
 
 
-@pytest.fixture(scope="module")
-def two():
-    pool = Ranks(2)
-    yield pool
-    pool.close()
-
-
 # --- 1 and 5: a rank that dies during init --------------------------------------
 
 
@@ -82,7 +64,7 @@ def _survivor(ctx: RankContext, path: str) -> tuple:
     except dist.DistBackendError as error:
         outcome = str(error)
     else:
-        outcome = "connected: " + _raises(dist.DistBackendError, "exited", pg.all_reduce,
+        outcome = "connected: " + raises(dist.DistBackendError, "exited", pg.all_reduce,
                                           torch.ones(10))
     elapsed = time.monotonic() - start
     return outcome, elapsed, store.reservation(0), store.reservation(1)
@@ -187,7 +169,7 @@ def test_ranks_that_never_reach_the_store_are_named():
     # fail with "1/3 clients joined"; pyddp names the missing ranks.
     start = time.monotonic()
     url = f"tcp://127.0.0.1:{_free_port()}"
-    _raises(dist.DistBackendError, r"ranks 1, 2 did not join the process group within 2000 ms",
+    raises(dist.DistBackendError, r"ranks 1, 2 did not join the process group within 2000 ms",
             pyddp.new_group, "shm", init_method=url, rank=0, world_size=3,
             timeout=datetime.timedelta(seconds=2))
     assert time.monotonic() - start < 15
@@ -198,7 +180,7 @@ def test_env_rendezvous_names_the_missing_rank(monkeypatch):
                        "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    _raises(dist.DistBackendError, r"^pyddp: rank 1 did not join the process group within",
+    raises(dist.DistBackendError, r"^pyddp: rank 1 did not join the process group within",
             pyddp.new_group, "shm", timeout=datetime.timedelta(seconds=2))
 
 
@@ -229,7 +211,7 @@ def _forged(ctx: RankContext, case: str, fake: str) -> str:
             return forge_shm_blob(outcome, segment=store.reservation(1))
         store = Sabotage(inner, forge="/blob/0", forger=forger)
     try:
-        return _raises(Exception, ".", _group, ctx, store, name=f"forge-{case}")
+        return raises(Exception, ".", _group, ctx, store, name=f"forge-{case}")
     finally:
         if ctx.rank == 1 and _exists(fake):
             os.remove(SHM + fake)
@@ -314,7 +296,7 @@ def _geometry_with_store_host(ctx: RankContext, port: int) -> str:
         # Rank 1 reads rank 0's outcome late: rank 0 must still be serving it.
         store = Sabotage(dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=MINUTE),
                          slow="/connected/0", delay=1.0)
-    message = _raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
+    message = raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
                       store=store, rank=ctx.rank, world_size=2, timeout=MINUTE, options=options)
     del store  # rank 0 stops serving the store at once
     return message
@@ -339,7 +321,7 @@ def _interrupted(ctx: RankContext, how: str) -> tuple:
         if how == "queued":
             pg.barrier()  # the calls rank 0 makes: rank 0 arrived at it, then gave up
         start = time.monotonic()
-        message = _raises(dist.DistBackendError, "rank 0 gave up", pg.all_reduce, torch.ones(10))
+        message = raises(dist.DistBackendError, "rank 0 gave up", pg.all_reduce, torch.ones(10))
         return message, time.monotonic() - start
     start = time.monotonic()
     try:
@@ -354,7 +336,7 @@ def _interrupted(ctx: RankContext, how: str) -> tuple:
         elapsed = time.monotonic() - start
     else:
         raise AssertionError("rank 0 was not interrupted")
-    later = _raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10))
+    later = raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10))
     return later, elapsed
 
 
@@ -382,7 +364,7 @@ def _interrupted_in_messages(ctx: RankContext, how: str) -> tuple:
         if how == "recv":
             pg.send(torch.full((4,), 7.0), 0)
             return "sent", time.monotonic() - start
-        message = _raises(dist.DistBackendError, "rank 0 gave up", pg.all_to_all_single,
+        message = raises(dist.DistBackendError, "rank 0 gave up", pg.all_to_all_single,
                           torch.zeros(2), torch.ones(2))
         return message, time.monotonic() - start
     start = time.monotonic()
@@ -400,7 +382,7 @@ def _interrupted_in_messages(ctx: RankContext, how: str) -> tuple:
         t = torch.zeros(4)
         pg.recv(t, 1)
         return t.tolist(), elapsed
-    return _raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10)), elapsed
+    return raises(dist.DistBackendError, "interrupted", pg.all_reduce, torch.ones(10)), elapsed
 
 
 @pytest.mark.parametrize("how", ["recv", "all_to_all"])
@@ -455,7 +437,7 @@ def _destroy_while_peer_waits(ctx: RankContext) -> tuple:
         pg.shutdown()  # with nothing running: only the shutdown can tell rank 1
         return "", 0.0
     start = time.monotonic()
-    message = _raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(10))
+    message = raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(10))
     return message, time.monotonic() - start
 
 
@@ -471,25 +453,25 @@ def test_destroying_a_group_tells_peers_at_once(two):
 def test_arguments_are_checked_like_torch():
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        _raises(ValueError, r"rank 0: broadcast: src=1099511627776 is not a rank of this group",
+        raises(ValueError, r"rank 0: broadcast: src=1099511627776 is not a rank of this group",
                 pg.broadcast, torch.ones(2), 2**40)
-        _raises(ValueError, r"rank 0: broadcast: src=-1 is not a rank", pg.broadcast,
+        raises(ValueError, r"rank 0: broadcast: src=-1 is not a rank", pg.broadcast,
                 torch.ones(2), -1)
-        _raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), 0.0)
-        _raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), True)
+        raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), 0.0)
+        raises(TypeError, "broadcast: src must be an int", pg.broadcast, torch.ones(2), True)
         for src in (np.int64(0), np.uint8(0), torch.tensor(0)):
             t = torch.arange(3.0)
             pg.broadcast(t, src)
             assert t.tolist() == [0.0, 1.0, 2.0]
         for op in (0, 4, "SUM", None):
-            _raises(TypeError, r"rank 0: all_reduce: op must be a ReduceOp", pg.all_reduce,
+            raises(TypeError, r"rank 0: all_reduce: op must be a ReduceOp", pg.all_reduce,
                     torch.ones(2), op)
-        _raises(TypeError, r"reduce_scatter_single: op must be a ReduceOp",
+        raises(TypeError, r"reduce_scatter_single: op must be a ReduceOp",
                 pg.reduce_scatter_single, torch.ones(1), torch.ones(1), 0)
         work = pg.all_reduce(torch.ones(2), async_op=True)
         for bad in (datetime.timedelta(seconds=-1), datetime.timedelta(0)):
-            _raises(ValueError, "timeout must be positive", work.wait, bad)
-        _raises(TypeError, "timeout must be a datetime.timedelta", work.wait, 5)
+            raises(ValueError, "timeout must be positive", work.wait, bad)
+        raises(TypeError, "timeout must be a datetime.timedelta", work.wait, 5)
         assert work.wait(datetime.timedelta(seconds=30))
         assert work.result()[0].tolist() == [1.0, 1.0]
     finally:
@@ -518,7 +500,7 @@ def _two_threads(ctx: RankContext) -> list:
     thread = threading.Thread(target=first)
     thread.start()
     time.sleep(0.5)
-    message = _raises(RuntimeError, "another thread is inside a synchronous collective on "
+    message = raises(RuntimeError, "another thread is inside a synchronous collective on "
                       "this process group", pg.all_reduce, torch.full((4,), 5.0))
     thread.join(30)
     u = torch.ones(3)
@@ -570,14 +552,17 @@ def _script_env() -> dict:
         [os.path.dirname(here), here] + [p for p in sys.path if p]))
 
 
-def _run_ranks(script: str, world: int, timeout: float) -> list:
+@contextlib.contextmanager
+def _script_ranks(script: str, world: int, *args: str):
+    """``world`` interpreters running ``script`` with the arguments rank, a store
+    path and ``args``; every one killed and the store removed on the way out."""
     path = tempfile.mktemp(prefix="pyddp-faults-")
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), path],
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), path, *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_script_env())
              for r in range(world)]
     try:
-        return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -585,6 +570,11 @@ def _run_ranks(script: str, world: int, timeout: float) -> list:
                 p.wait(10)
         if os.path.exists(path):
             os.remove(path)
+
+
+def _run_ranks(script: str, world: int, timeout: float) -> list:
+    with _script_ranks(script, world) as procs:
+        return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
 
 
 def test_destroy_inside_a_future_callback_then_exit_is_clean():
@@ -633,12 +623,7 @@ def _readline(p: subprocess.Popen, timeout: float) -> str:
 
 def test_ctrl_c_of_the_whole_job():
     world = 3
-    path = tempfile.mktemp(prefix="pyddp-job-")
-    procs = [subprocess.Popen([sys.executable, "-c", JOB_SCRIPT, str(r), path, str(world)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_script_env())
-             for r in range(world)]
-    try:
+    with _script_ranks(JOB_SCRIPT, world, str(world)) as procs:
         segments = []
         for p in procs:
             line = _readline(p, 60)
@@ -650,13 +635,6 @@ def test_ctrl_c_of_the_whole_job():
         start = time.monotonic()
         results = [p.communicate(timeout=30) + (p.returncode,) for p in procs]
         elapsed = time.monotonic() - start
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        if os.path.exists(path):
-            os.remove(path)
     assert elapsed < 10, elapsed
     for rank, (out, err, code) in enumerate(results):
         # An uncaught KeyboardInterrupt ends Python by SIGINT.
