@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import pyddp
 from fault_stores import Recording, Sabotage, forge_shm_blob, shm_blob_field
-from harness import Died, RankContext, Ranks, raises
+from harness import Died, RankContext, Ranks, pyddp_segments, raises
 
 MINUTE = datetime.timedelta(seconds=60)
 SHM = "/dev/shm"
@@ -182,6 +182,47 @@ def test_env_rendezvous_names_the_missing_rank(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     raises(dist.DistBackendError, r"^pyddp: rank 1 did not join the process group within",
             pyddp.new_group, "shm", timeout=datetime.timedelta(seconds=2))
+
+
+# --- a channel that cannot be announced ----------------------------------------------
+
+
+class _NoChannelAnnouncement(Recording):
+    """Refuses to set the key that announces rank 0's channel to rank 1."""
+
+    def set(self, key: str, value) -> None:
+        if key.endswith("p2p/0-1"):
+            raise RuntimeError("this store refuses the key")
+        super().set(key, value)
+
+
+def _unannounced_channel(ctx: RankContext) -> tuple:
+    store = _NoChannelAnnouncement(dist.FileStore(ctx.store_path("announce"), 2))
+    pg = _group(ctx, store, timeout=datetime.timedelta(seconds=1), name="announce")
+    try:
+        if ctx.rank == 1:
+            store.wait(["go"], MINUTE)
+            pg.send(torch.full((4,), 7.0), 0, 3)
+            return ()
+        before = pyddp_segments()
+        message = raises(Exception, "this store refuses the key", pg.send, torch.ones(4), 1)
+        after = pyddp_segments()
+        # Past the failed send's timeout, the group still moves messages: nothing of
+        # the failed send is left for the wait below to time out on.
+        time.sleep(1.5)
+        store.set("go", b"1")
+        got = torch.zeros(4)
+        pg.recv(got, 1, 3)
+        return message, before, after, got.tolist()
+    finally:
+        pg.shutdown()
+
+
+def test_a_send_whose_channel_cannot_be_announced_fails_and_leaves_nothing(two):
+    message, before, after, got = two.run(_unannounced_channel)[0]
+    assert "this store refuses the key" in message, message
+    assert after == before, (before, after)
+    assert got == [7.0] * 4
 
 
 # --- 3: forged store values ----------------------------------------------------------

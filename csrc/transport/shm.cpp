@@ -100,6 +100,8 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
 }
 
 ShmTransport::~ShmTransport() {
+  // The channels first: their teardown asks this transport about peers.
+  messages_.reset();
   if (linked_) shm_unlink(ownName_.c_str());
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
@@ -134,8 +136,10 @@ std::string ShmTransport::setup() {
   // this rank died. 128 random bits that exist already mean someone made
   // them on purpose.
   const int fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  PYDDP_CHECK(fd >= 0, "rank ", rank_, ": shm_open(", ownName_, ") failed: ", errnoText(),
-              errno == EEXIST ? " (a random name that exists already: who made it?)" : "");
+  const int openErrno = errno;
+  PYDDP_CHECK(fd >= 0, "rank ", rank_, ": shm_open(", ownName_, ") failed: ",
+              std::strerror(openErrno),
+              openErrno == EEXIST ? " (a random name that exists already: who made it?)" : "");
   linked_ = true;
   // posix_fallocate, not ftruncate: on tmpfs a too-small /dev/shm then fails
   // here with ENOSPC instead of with SIGBUS at the first touch of a page.

@@ -67,22 +67,27 @@ ShmMessages::~ShmMessages() {
 }
 
 void ShmMessages::reclaimDead() noexcept {
-  std::vector<bool> dead(size_);
-  for (int p = 0; p < size_; ++p) dead[p] = p != rank_ && !deadPeer_(p).empty();
-  for (int src = 0; src < size_; ++src) {
-    if (!dead[src]) continue;
-    for (int dst = 0; dst < size_; ++dst) {
-      // A live dst other than this rank may still map it, to read what src
-      // posted before it died; it reclaims it at its own teardown.
-      if (dst == src || (dst != rank_ && !dead[dst])) continue;
-      try {
-        if (const auto name = directory_->lookup(reservationKey(src, dst))) {
-          Segment::remove(*name);
+  // Best effort, at teardown: a store that went with the rank that hosted
+  // it (or no memory to ask with) leaves nothing to learn.
+  try {
+    std::vector<bool> dead(size_);
+    for (int p = 0; p < size_; ++p) dead[p] = p != rank_ && !deadPeer_(p).empty();
+    for (int src = 0; src < size_; ++src) {
+      if (!dead[src]) continue;
+      for (int dst = 0; dst < size_; ++dst) {
+        // A live dst other than this rank may still map it, to read what src
+        // posted before it died; it reclaims it at its own teardown.
+        if (dst == src || (dst != rank_ && !dead[dst])) continue;
+        try {
+          if (const auto name = directory_->lookup(reservationKey(src, dst))) {
+            Segment::remove(*name);
+          }
+        } catch (const std::exception&) {
+          // This pair's reservation cannot be read: the others still may be.
         }
-      } catch (const std::exception&) {
-        // The store went with the rank that hosted it: nothing to learn.
       }
     }
+  } catch (...) {
   }
 }
 
@@ -120,12 +125,17 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   h->numSlots = numSlots_;
   h->slotBytes = slotBytes_;
   o->header = h;
-  directory_->publish(channelKey(rank_, peer), BlobWriter()
-                                                   .put("segment", o->segment.name())
-                                                   .put("bytes", bytes)
-                                                   .put("slot_bytes", slotBytes_)
-                                                   .put("num_slots", numSlots_)
-                                                   .str());
+  try {
+    directory_->publish(channelKey(rank_, peer), BlobWriter()
+                                                     .put("segment", o->segment.name())
+                                                     .put("bytes", bytes)
+                                                     .put("slot_bytes", slotBytes_)
+                                                     .put("num_slots", numSlots_)
+                                                     .str());
+  } catch (...) {
+    o->segment.unlink();  // never announced: nobody will map it
+    throw;
+  }
   outs_[peer] = std::move(o);
   return *outs_[peer];
 }
@@ -165,11 +175,13 @@ bool ShmMessages::connect(int peer, In& in) {
 uint64_t ShmMessages::postSend(int peer, int64_t tag, DataType dtype, const void* data,
                                size_t bytes, Clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(mu_);
+  // The channel first: making it may throw (the store, /dev/shm), and an
+  // operation must not be left behind without its channel.
+  Out& o = out(peer);
   const uint64_t id = nextId_++;
   Op& op = ops_[id];
   op = Op{true, peer, tag, dtype, static_cast<char*>(const_cast<void*>(data)), bytes};
   op.deadline = deadline;
-  Out& o = out(peer);
   if (o.failed) {
     finish(id, op, State::Failed, o.failure);
   } else {
@@ -475,15 +487,28 @@ void ShmMessages::giveUp(uint64_t id, Op& op, const std::string& why, bool peerD
   }
 }
 
-std::string ShmMessages::peerGaveUp(const std::vector<uint64_t>& ids) {
+std::string ShmMessages::peerGaveUp(const std::vector<uint64_t>& ids, int* peer) {
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t id : ids) {
     const auto it = ops_.find(id);
     if (it == ops_.end() || it->second.state != State::Pending) continue;
     std::string why = gaveUp_(it->second.peer);
-    if (!why.empty()) return who() + ": " + describe(it->second) + " cannot complete: " + why;
+    if (why.empty()) continue;
+    *peer = it->second.peer;
+    return who() + ": " + describe(it->second) + " cannot complete: " + why;
   }
   return "";
+}
+
+bool ShmMessages::pendingWith(const std::vector<uint64_t>& ids, int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : ids) {
+    const auto it = ops_.find(id);
+    if (it != ops_.end() && it->second.state == State::Pending && it->second.peer == peer) {
+      return true;
+    }
+  }
+  return false;
 }
 
 std::string ShmMessages::interrupted(const std::vector<uint64_t>& ids) {
@@ -551,7 +576,8 @@ void ShmMessages::wait(const std::vector<uint64_t>& ids) {
   while (true) {
     // A peer's give-up is read before moving what can move: what it did
     // before giving up (a verdict, the last piece) is then seen first.
-    const std::string gaveUp = lookAtPeers ? peerGaveUp(ids) : "";
+    int quitter = -1;
+    const std::string gaveUp = lookAtPeers ? peerGaveUp(ids, &quitter) : "";
     const bool moved = progress();
     std::string failure;
     bool pending = false;
@@ -562,7 +588,11 @@ void ShmMessages::wait(const std::vector<uint64_t>& ids) {
       if (state == State::Failed && failure.empty()) failure = why;
     }
     if (failure.empty() && pending) {
-      failure = gaveUp.empty() ? interrupted(ids) : gaveUp;
+      // The peer's give-up counts only while an operation with it is still
+      // pending: progress() may have finished them all (it gave up after
+      // its part, e.g. by destroying its group), and the operations left
+      // with other peers go on.
+      failure = !gaveUp.empty() && pendingWith(ids, quitter) ? gaveUp : interrupted(ids);
       // The collective is abandoned: its operations half done fail their
       // channels, so the peers waiting on them learn at once.
       if (!failure.empty()) giveUpOn(ids, failure);

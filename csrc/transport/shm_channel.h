@@ -124,7 +124,9 @@ class ShmMessages final : public MessageLink {
               std::shared_ptr<Directory> directory,
               std::function<std::string(int peer)> deadPeer,
               std::function<std::string(int peer)> gaveUp);
-  // Tells the peers of every channel with operations pending, then unmaps.
+  // Tells the peers of every channel that this rank is gone, removes the
+  // names of its channels that dst never mapped and reclaims those of dead
+  // ranks (reclaimDead()), then unmaps.
   ~ShmMessages() override;
 
   uint64_t postSend(int peer, int64_t tag, DataType dtype, const void* data, size_t bytes,
@@ -223,8 +225,11 @@ class ShmMessages final : public MessageLink {
   // channel is then out of step. mu_ held.
   void giveUp(uint64_t id, Op& op, const std::string& why, bool peerDead);
   // What wait() stops on: "" while nothing, else why. A peer of a pending
-  // operation of `ids` that gave up; the caller's interrupt.
-  std::string peerGaveUp(const std::vector<uint64_t>& ids);
+  // operation of `ids` that gave up (which one in `peer`); the caller's
+  // interrupt.
+  std::string peerGaveUp(const std::vector<uint64_t>& ids, int* peer);
+  // Whether an operation of `ids` with `peer` is still pending.
+  bool pendingWith(const std::vector<uint64_t>& ids, int peer);
   std::string interrupted(const std::vector<uint64_t>& ids);
   // Gives up on the pending operations of `ids` with `why`.
   void giveUpOn(const std::vector<uint64_t>& ids, const std::string& why);
