@@ -399,7 +399,10 @@ class Job:
                 deadline = time.monotonic() + stall_seconds
             elif time.monotonic() > deadline:
                 raise RanksTimedOut(f"no progress from the ranks for {stall_seconds:.0f} s")
-        # The ranks have exited, so every line they put is in the queue.
+        # A rank's lines reach the queue through a feeder thread that its exit
+        # flushes: the last ones may still be on their way when its result is in.
+        for rank in range(self.world_size):
+            self.exitcode(rank, JOIN_SECONDS)
         _show_lines(lines, 0.0, show)
         return list(self.results)
 
