@@ -81,6 +81,23 @@ auto interruptibly(F&& f) {
   return PythonSignals().run(std::forward<F>(f));
 }
 
+// An entry point as Python calls it. With async_op, the Work at once. A
+// synchronous call waits here and returns None: no Work crosses into
+// Python, and the CPU executor makes none when it runs the collective at
+// once (on a 4 KiB all_reduce the Work, its future and the second call into
+// the module to wait for it cost as much as the shared-memory transfer).
+template <typename Start>
+py::object issue(bool asyncOp, const std::optional<std::chrono::milliseconds>& timeout,
+                 Start&& start) {
+  const CallOptions call{asyncOp, timeout.value_or(c10d::kUnsetTimeout), !asyncOp};
+  if (asyncOp) return py::cast(interruptibly([&] { return start(call); }));
+  interruptibly([&] {
+    if (const WorkPtr work = start(call)) work->wait();
+    return true;
+  });
+  return py::none();
+}
+
 // Groups between hosts are torch's gloo, made through torch's Python
 // binding: gloo's C++ headers do not ship with torch.
 c10::intrusive_ptr<c10d::Backend> torchGloo(const c10::intrusive_ptr<c10d::Store>& store,
@@ -137,68 +154,65 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // Every entry point takes async_op and an optional per-call timeout.
   using Timeout = std::optional<std::chrono::milliseconds>;
-  const auto call = [](bool asyncOp, const Timeout& timeout) {
-    return CallOptions{asyncOp, timeout.value_or(c10d::kUnsetTimeout)};
-  };
   const auto async = py::arg("async_op");
   const auto timeout = py::arg("timeout") = Timeout();
   using T = const at::Tensor&;
   using Ts = const std::vector<at::Tensor>&;
   using Splits = const std::vector<int64_t>&;
+  using C = const CallOptions&;
   py::class_<Engine, c10d::Backend, c10::intrusive_ptr<Engine>>(
       m, "Engine", "Runs a group's collectives for the tensors of one device.")
-      .def("all_reduce", [=](Engine& e, T t, RedOp op, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allReduce(t, op, call(a, to)); });
+      .def("all_reduce", [](Engine& e, T t, RedOp op, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allReduce(t, op, c); });
       }, py::arg("tensor"), py::arg("op"), async, timeout)
-      .def("all_gather_single", [=](Engine& e, T out, T in, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allGatherSingle(out, in, call(a, to)); });
+      .def("all_gather_single", [](Engine& e, T out, T in, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allGatherSingle(out, in, c); });
       }, py::arg("output"), py::arg("input"), async, timeout)
-      .def("all_gather", [=](Engine& e, Ts outs, T in, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allGatherList(outs, in, call(a, to)); });
+      .def("all_gather", [](Engine& e, Ts outs, T in, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allGatherList(outs, in, c); });
       }, py::arg("tensor_list"), py::arg("tensor"), async, timeout)
-      .def("broadcast", [=](Engine& e, T t, int src, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.broadcastFrom(t, src, call(a, to)); });
+      .def("broadcast", [](Engine& e, T t, int src, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.broadcastFrom(t, src, c); });
       }, py::arg("tensor"), py::arg("src"), async, timeout)
-      .def("reduce_scatter_single", [=](Engine& e, T out, T in, RedOp op, bool a,
+      .def("reduce_scatter_single", [](Engine& e, T out, T in, RedOp op, bool a,
                                         const Timeout& to) {
-        return interruptibly([&] { return e.reduceScatterSingle(out, in, op, call(a, to)); });
+        return issue(a, to, [&](C c) { return e.reduceScatterSingle(out, in, op, c); });
       }, py::arg("output"), py::arg("input"), py::arg("op"), async, timeout)
-      .def("barrier", [=](Engine& e, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.barrierAll(call(a, to)); });
+      .def("barrier", [](Engine& e, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.barrierAll(c); });
       }, async, timeout)
-      .def("reduce", [=](Engine& e, T t, RedOp op, int dst, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.reduceTo(t, op, dst, call(a, to)); });
+      .def("reduce", [](Engine& e, T t, RedOp op, int dst, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.reduceTo(t, op, dst, c); });
       }, py::arg("tensor"), py::arg("op"), py::arg("dst"), async, timeout)
-      .def("gather", [=](Engine& e, Ts outs, T in, int dst, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.gatherTo(outs, in, dst, call(a, to)); });
+      .def("gather", [](Engine& e, Ts outs, T in, int dst, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.gatherTo(outs, in, dst, c); });
       }, py::arg("gather_list"), py::arg("tensor"), py::arg("dst"), async, timeout)
-      .def("scatter", [=](Engine& e, T out, Ts ins, int src, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.scatterFrom(out, ins, src, call(a, to)); });
+      .def("scatter", [](Engine& e, T out, Ts ins, int src, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.scatterFrom(out, ins, src, c); });
       }, py::arg("tensor"), py::arg("scatter_list"), py::arg("src"), async, timeout)
-      .def("all_to_all_single", [=](Engine& e, T out, T in, Splits outSplits, Splits inSplits,
+      .def("all_to_all_single", [](Engine& e, T out, T in, Splits outSplits, Splits inSplits,
                                     bool a, const Timeout& to) {
-        return interruptibly(
-            [&] { return e.allToAllSingle(out, in, outSplits, inSplits, call(a, to)); });
+        return issue(a, to, [&](C c) { return e.allToAllSingle(out, in, outSplits, inSplits, c); });
       }, py::arg("output"), py::arg("input"), py::arg("output_split_sizes"),
          py::arg("input_split_sizes"), async, timeout)
-      .def("all_to_all", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allToAllList(outs, ins, call(a, to)); });
+      .def("all_to_all", [](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allToAllList(outs, ins, c); });
       }, py::arg("output_tensor_list"), py::arg("input_tensor_list"), async, timeout)
-      .def("all_reduce_coalesced", [=](Engine& e, Ts ts, RedOp op, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allReduceCoalesced(ts, op, call(a, to)); });
+      .def("all_reduce_coalesced", [](Engine& e, Ts ts, RedOp op, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allReduceCoalesced(ts, op, c); });
       }, py::arg("tensors"), py::arg("op"), async, timeout)
-      .def("all_gather_coalesced", [=](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.allGatherCoalesced(outs, ins, call(a, to)); });
+      .def("all_gather_coalesced", [](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allGatherCoalesced(outs, ins, c); });
       }, py::arg("outputs"), py::arg("inputs"), async, timeout)
-      .def("reduce_scatter_coalesced", [=](Engine& e, Ts outs, Ts ins, RedOp op, bool a,
+      .def("reduce_scatter_coalesced", [](Engine& e, Ts outs, Ts ins, RedOp op, bool a,
                                            const Timeout& to) {
-        return interruptibly([&] { return e.reduceScatterCoalesced(outs, ins, op, call(a, to)); });
+        return issue(a, to, [&](C c) { return e.reduceScatterCoalesced(outs, ins, op, c); });
       }, py::arg("outputs"), py::arg("inputs"), py::arg("op"), async, timeout)
-      .def("send", [=](Engine& e, T t, int dst, int64_t tag, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.sendTo(t, dst, tag, call(a, to)); });
+      .def("send", [](Engine& e, T t, int dst, int64_t tag, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.sendTo(t, dst, tag, c); });
       }, py::arg("tensor"), py::arg("dst"), py::arg("tag"), async, timeout)
-      .def("recv", [=](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
-        return interruptibly([&] { return e.recvFrom(t, src, tag, call(a, to)); });
+      .def("recv", [](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.recvFrom(t, src, tag, c); });
       }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout)
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)

@@ -160,7 +160,7 @@ void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptions& call) {
   std::unique_lock<std::mutex> lock(queue_->mu);
   PYDDP_CHECK(started_, "rank ", rank_, ": ", toString(c.desc.kind),
               " before the process group connected");
@@ -168,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
               " on a process group that was destroyed");
   const bool onWorker = std::this_thread::get_id() == queue_->workerId;
   uint64_t ticket = 0;  // this call's turn as the synchronous caller; 0: none
-  if (!asyncOp && !onWorker) {
+  if (!call.asyncOp && !onWorker) {
     PYDDP_CHECK(queue_->syncTicket == 0, "rank ", rank_, ": ", toString(c.desc.kind),
                 " refused: another thread is inside a synchronous collective on this process "
                 "group. A group is used from one thread at a time (as in torch.distributed): "
@@ -177,6 +177,16 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
     ticket = queue_->syncTicket = queue_->nextTicket++;
   }
   ++issued_;  // not before the refusal: a refused call issues nothing
+  // A synchronous call runs here, on the caller's thread, when nothing is
+  // ahead of it (keeping call order), or when it comes from a future
+  // callback (on the worker, inside the job that just finished its
+  // transfer): queueing that one would deadlock.
+  const bool here = !call.asyncOp && (onWorker || (queue_->jobs.empty() && !queue_->busy));
+  if (here && call.workless) {
+    Job job{std::move(c), nullptr, ticket};
+    runHere(lock, job, onWorker);
+    return {};
+  }
   // An interrupted waiter gives up on the group: the running collective
   // fails at once (its waits are aborted) and tells the peers why, and
   // no later one runs. A synchronous caller that gave up is no longer
@@ -201,22 +211,24 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, bool asyncOp) {
   auto work = c10::make_intrusive<CpuWork>(rank_, c.desc.kind, std::move(c.outputs),
                                            queue_->workerId, nullptr, "", std::move(giveUp));
   Job job{std::move(c), work, ticket};
-  if (!asyncOp && onWorker) {
-    // A future callback (on the worker, inside the job that just finished
-    // its transfer) waits for this call: queueing it would deadlock.
-    lock.unlock();
-    run(job);
-    return work;
-  }
-  if (!asyncOp && queue_->jobs.empty() && !queue_->busy) {
-    // Nothing is ahead of this call: run it here, keeping call order.
-    BusyScope busy(lock, *queue_);
-    run(job);
+  if (here) {
+    runHere(lock, job, onWorker);
     return work;
   }
   queue_->jobs.push_back(std::move(job));
   queue_->cv.notify_all();
   return work;
+}
+
+void CpuExecutor::runHere(std::unique_lock<std::mutex>& lock, Job& job, bool onWorker) {
+  if (onWorker) {
+    // The worker is busy already, with the job whose callback this is.
+    lock.unlock();
+    run(job);
+  } else {
+    BusyScope busy(lock, *queue_);
+    run(job);
+  }
 }
 
 void CpuExecutor::endSync(const Job& job) {
@@ -228,7 +240,7 @@ void CpuExecutor::endSync(const Job& job) {
 void CpuExecutor::run(Job& job) {
   Collective& c = job.collective;
   c.desc.seq = nextSeq_++;
-  job.work->started(c.desc.seq);
+  if (job.work) job.work->started(c.desc.seq);
   if (brokenBy_.empty()) {
     std::lock_guard<std::mutex> lock(queue_->mu);
     brokenBy_ = queue_->gaveUp;
@@ -254,7 +266,9 @@ void CpuExecutor::run(Job& job) {
   }
   // Before completing: the Work's callbacks may destroy this executor.
   endSync(job);
-  if (error) {
+  if (!job.work) {
+    if (error) std::rethrow_exception(error);
+  } else if (error) {
     job.work->fail(error);
   } else {
     job.work->complete();

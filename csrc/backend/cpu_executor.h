@@ -55,7 +55,7 @@ class CpuExecutor final : public Executor {
   // The hooks of a connected transport.
   static Hooks hooksOf(Transport& transport);
 
-  c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) override;
+  c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) override;
   // Stops the worker and makes a running collective fail within
   // milliseconds (the transport aborts its waits); queued collectives fail;
   // then marks this rank as having given up, so peers waiting on it fail at
@@ -66,6 +66,7 @@ class CpuExecutor final : public Executor {
  private:
   struct Job {
     Collective collective;
+    // Null for a workless call run at once (run() throws its error).
     c10::intrusive_ptr<CpuWork> work;
     // A synchronous call of a thread other than the worker: its turn
     // (Queue::syncTicket while in flight); 0 otherwise.
@@ -97,6 +98,8 @@ class CpuExecutor final : public Executor {
   };
 
   void run(Job& job);
+  // Runs a synchronous job on the calling thread (`lock` holds the queue).
+  void runHere(std::unique_lock<std::mutex>& lock, Job& job, bool onWorker);
   // The job's synchronous call is over: another thread may make one.
   void endSync(const Job& job);
   static void workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor);

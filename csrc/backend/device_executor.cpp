@@ -53,7 +53,7 @@ void DeviceExecutor::retire(
   meet(desc, deadline);
 }
 
-c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp) {
+c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, const CallOptions& call) {
   c10::intrusive_ptr<gpu::CudaWork> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -108,7 +108,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, bool asyncOp
     }
     monitor_->watch(work, c.timeout.count() > 0 ? c.timeout : timeout_);
   }
-  if (!asyncOp) work->wait();
+  if (!call.asyncOp) work->wait();
   return work;
 }
 

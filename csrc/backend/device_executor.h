@@ -52,7 +52,7 @@ class DeviceExecutor final : public Executor {
   cudaStream_t stream() const { return stream_.stream().stream(); }
   void start(Hooks hooks);
 
-  c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) override;
+  c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) override;
   // Fails pending collectives and stops the monitor; true when any was
   // pending (the caller then aborts rather than ends gracefully).
   bool stop(const std::string& why);

@@ -19,15 +19,6 @@
 
 namespace pyddp {
 
-// What every entry point takes besides its tensors, as c10d's options do.
-struct CallOptions {
-  // Return the Work at once; else once done (on a CUDA device: once the
-  // caller's current stream waits for it).
-  bool asyncOp = false;
-  // Bounds this call's waits; c10d::kUnsetTimeout: the group's timeout.
-  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
-};
-
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 class Engine : public RefusingBackend {

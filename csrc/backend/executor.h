@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -40,11 +41,25 @@ struct Collective {
   std::chrono::milliseconds timeout{0};
 };
 
+// What every entry point takes besides its tensors, as c10d's options do.
+struct CallOptions {
+  // Return the Work at once; else once done (on a CUDA device: once the
+  // caller's current stream waits for it).
+  bool asyncOp = false;
+  // Bounds this call's waits; c10d::kUnsetTimeout: the group's timeout.
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
+  // A synchronous caller that needs no Work (pyddp's Python layer, which
+  // returns None): an executor that ran the collective at once may return
+  // a null Work, sparing the Work and its future on the small-message path.
+  bool workless = false;
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
-  // Runs or queues c; returns its Work at once when asyncOp, else once done.
-  virtual c10::intrusive_ptr<c10d::Work> submit(Collective c, bool asyncOp) = 0;
+  // Runs or queues c; returns its Work at once when call.asyncOp, else once
+  // done (or null, when call.workless allows it).
+  virtual c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) = 0;
   // Fails queued collectives and ends a running one within milliseconds.
   // Idempotent.
   virtual void shutdown() = 0;

@@ -195,7 +195,7 @@ WorkPtr HierarchicalEngine::submit(CollectiveDesc desc, std::vector<at::Tensor> 
                    run();
                  },
                  [] {}, desc.kind == CollectiveKind::Barrier, call.timeout},
-      call.asyncOp);
+      call);
 }
 
 void HierarchicalEngine::local(const std::function<WorkPtr()>& start) {

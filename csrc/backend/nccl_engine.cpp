@@ -103,7 +103,7 @@ WorkPtr NcclEngine::launch(CollectiveKind kind, std::vector<at::Tensor> inputs,
                    enqueue(stream, deadline);
                  },
                  [] {}, kind == CollectiveKind::Barrier, call.timeout},
-      call.asyncOp);
+      call);
 }
 
 void NcclEngine::group(const char* what, const std::function<ncclResult_t(ncclComm_t)>& calls,

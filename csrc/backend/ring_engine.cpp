@@ -138,7 +138,7 @@ WorkPtr RingEngine::submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
                    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
                  },
                  std::move(finish), desc.kind == CollectiveKind::Barrier, call.timeout},
-      call.asyncOp);
+      call);
 }
 
 kernels::ReduceSpec RingEngine::spec(DataType dtype, RedOp op) const {
