@@ -118,3 +118,51 @@ def test_nan_wins_min_and_max(op):
     out = k.reduce_final(getattr(_C.RedOp, op), 2, a, b)[0]
     assert out[0].isnan() and out[1].isnan()
     assert out[2].item() == (1.0 if op == "MIN" else 2.0)
+
+
+def _every_value(dtype):
+    """Every bit pattern of a 16-bit float type, NaNs and infinities included."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _rounding_cases(dtype):
+    """fp32 values to round to ``dtype``: every value it has, the midpoints of neighbours
+    (ties, which go to even), points a quarter of the way either side of each midpoint,
+    values past its largest finite one, fp32 denormals, infinities and NaN."""
+    exact = _every_value(dtype).float()
+    finite = exact[exact.isfinite()].unique().double()  # sorted
+    low, high = finite[:-1], finite[1:]
+    mid = (low + high) / 2  # exact in fp32: one bit more than dtype's
+    edges = torch.tensor([3.4e38, -3.4e38, 65519.0, 65520.0, -65536.0, 1e-40, -1e-45, 0.0, -0.0,
+                          float("inf"), float("-inf"), float("nan"), -float("nan")],
+                         dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.randn(50000, generator=gen, dtype=torch.float64) * torch.exp2(
+        torch.randint(-30, 30, (50000,), generator=gen).double())
+    return torch.cat([exact.double(), mid, (3 * low + high) / 4, (low + 3 * high) / 4, edges,
+                      spread]).float()
+
+
+def _same_bits(actual, expected):
+    """Bitwise equal, except that any NaN matches any NaN (payloads differ between the
+    vector and scalar conversions)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    ints = torch.int16 if actual.element_size() == 2 else torch.int32
+    assert torch.equal(actual[~nan].view(ints), expected[~nan].view(ints))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("vector", [False, True], ids=["scalar", "vector"])
+def test_half_conversions_equal_torchs_on_every_value(dtype, vector):
+    # "vector" takes the vector conversions where this CPU has them
+    # (k.vector_half_conversions()), the scalar ones elsewhere.
+    halves = _every_value(dtype)
+    _same_bits(k.widen(halves, vector), halves.float())
+    wide = _rounding_cases(dtype)
+    _same_bits(k.narrow(wide, torch.empty(wide.shape, dtype=dtype), vector), wide.to(dtype))
+    for n in LENGTHS:  # the vector loop's scalar tail
+        part = wide[1000:1000 + n]
+        _same_bits(k.narrow(part, torch.empty(n, dtype=dtype), vector), part.to(dtype))
+        _same_bits(k.widen(halves[:n], vector), halves[:n].float())

@@ -1,19 +1,26 @@
 #include "kernels/cpu.h"
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 
 #include "common/check.h"
 #include "kernels/dispatch.h"
+#include "kernels/half_cpu.h"
 #include "kernels/reduce.h"
 
 namespace pyddp {
 namespace kernels {
 namespace {
 
-// Elements reduced per tile in reduceN: the accumulator tile stays in L1
-// while every source streams through it, and each inner loop is a plain
-// element-wise loop the compiler vectorises.
+// Elements per tile: an accumulator tile stays in L1 while every source
+// streams through it, and each inner loop is a plain element-wise loop the
+// compiler vectorises. A half type's operands are widened to fp32 a tile at
+// a time (half_cpu.h), so its loops are fp32 loops too.
 constexpr size_t kTileElems = 512;
+
+template <typename T>
+constexpr bool kHalf = !std::is_same_v<acc_t<T>, T>;
 
 } // namespace
 
@@ -28,7 +35,11 @@ void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count)
     using T = decltype(t);
     auto* d = static_cast<acc_t<T>*>(dst);
     const auto* x = static_cast<const T*>(src);
-    for (size_t i = 0; i < count; ++i) d[i] = static_cast<acc_t<T>>(x[i]);
+    if constexpr (kHalf<T>) {
+      widen(x, d, count);
+    } else {
+      for (size_t i = 0; i < count; ++i) d[i] = x[i];
+    }
   });
 }
 
@@ -39,8 +50,17 @@ void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
     auto* d = static_cast<acc_t<T>*>(dst);
     const auto* p = static_cast<const acc_t<T>*>(partial);
     const auto* x = static_cast<const T*>(local);
-    for (size_t i = 0; i < count; ++i) {
-      reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
+    if constexpr (kHalf<T>) {
+      float wide[kTileElems];
+      for (size_t base = 0; base < count; base += kTileElems) {
+        const size_t n = std::min(kTileElems, count - base);
+        widen(x + base, wide, n);
+        for (size_t i = 0; i < n; ++i) d[base + i] = op(p[base + i], wide[i]);
+      }
+    } else {
+      for (size_t i = 0; i < count; ++i) {
+        reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
+      }
     }
   });
 }
@@ -54,7 +74,16 @@ void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* part
     auto* d2 = static_cast<T*>(dst2);
     const auto* p = static_cast<const acc_t<T>*>(partial);
     const auto* x = static_cast<const T*>(local);
-    if (d2 == nullptr) {
+    if constexpr (kHalf<T>) {
+      float wide[kTileElems];
+      for (size_t base = 0; base < count; base += kTileElems) {
+        const size_t n = std::min(kTileElems, count - base);
+        widen(x + base, wide, n);
+        for (size_t i = 0; i < n; ++i) wide[i] = fin(op(p[base + i], wide[i]));
+        narrow(wide, d + base, n);
+        if (d2 != nullptr) std::memcpy(d2 + base, d + base, n * sizeof(T));
+      }
+    } else if (d2 == nullptr) {
       for (size_t i = 0; i < count; ++i) {
         d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
       }
@@ -75,15 +104,26 @@ void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
     const auto fin = finishFor<T>(spec);
     auto* d = static_cast<T*>(dst);
     A acc[kTileElems];
+    [[maybe_unused]] A wide[kHalf<T> ? kTileElems : 1];
     for (size_t base = 0; base < count; base += kTileElems) {
       const size_t n = std::min(kTileElems, count - base);
       const T* s0 = static_cast<const T*>(src[0]) + base;
-      for (size_t i = 0; i < n; ++i) acc[i] = static_cast<A>(s0[i]);
-      for (int k = 1; k < nsrc; ++k) {
-        const T* sk = static_cast<const T*>(src[k]) + base;
-        for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], static_cast<A>(sk[i]));
+      if constexpr (kHalf<T>) {
+        widen(s0, acc, n);
+        for (int k = 1; k < nsrc; ++k) {
+          widen(static_cast<const T*>(src[k]) + base, wide, n);
+          for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], wide[i]);
+        }
+        for (size_t i = 0; i < n; ++i) acc[i] = fin(acc[i]);
+        narrow(acc, d + base, n);
+      } else {
+        for (size_t i = 0; i < n; ++i) acc[i] = s0[i];
+        for (int k = 1; k < nsrc; ++k) {
+          const T* sk = static_cast<const T*>(src[k]) + base;
+          for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], sk[i]);
+        }
+        for (size_t i = 0; i < n; ++i) d[base + i] = fin(acc[i]);
       }
-      for (size_t i = 0; i < n; ++i) d[base + i] = static_cast<T>(fin(acc[i]));
     }
   });
 }

@@ -18,6 +18,7 @@
 #include "common/descriptor.h"
 #include "kernels/cpu.h"
 #include "kernels/emulate.h"
+#include "kernels/half_cpu.h"
 #include "testing/sendrecv_sim.h"
 #include "transport/cuda_ipc_protocol.h"
 #include "transport/shm.h"
@@ -65,6 +66,42 @@ void bindTesting(py::module_& m) {
     const bool half = local.scalar_type() == at::kHalf || local.scalar_type() == at::kBFloat16;
     return at::empty(local.sizes(), local.options().dtype(half ? at::kFloat : local.scalar_type()));
   };
+  // The half-type conversions of the CPU kernels: the vector ones where this
+  // CPU has them, or the scalar ones.
+  t.def("vector_half_conversions", &kernels::vectorHalfConversions);
+  t.def("widen", [](const at::Tensor& half, bool vector) {
+    const at::Tensor src = half.contiguous();
+    at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kFloat));
+    float* dst = out.data_ptr<float>();
+    const size_t n = src.numel();
+    if (src.scalar_type() == at::kHalf) {
+      const auto* x = src.data_ptr<c10::Half>();
+      vector ? kernels::widen(x, dst, n) : kernels::scalar::widen(x, dst, n);
+    } else {
+      PYDDP_CHECK_TYPE(src.scalar_type() == at::kBFloat16, "widen takes float16 or bfloat16");
+      const auto* x = src.data_ptr<c10::BFloat16>();
+      vector ? kernels::widen(x, dst, n) : kernels::scalar::widen(x, dst, n);
+    }
+    return out;
+  });
+  t.def("narrow", [](const at::Tensor& wide, at::Tensor out, bool vector) {
+    const at::Tensor src = wide.contiguous();
+    PYDDP_CHECK_TYPE(src.scalar_type() == at::kFloat, "narrow takes float32");
+    PYDDP_CHECK_VALUE(out.is_contiguous() && out.numel() == src.numel(),
+                      "narrow: out must be contiguous, as long as the input");
+    const at::ScalarType dtype = out.scalar_type();
+    const float* x = src.data_ptr<float>();
+    const size_t n = src.numel();
+    if (dtype == at::kHalf) {
+      auto* dst = out.data_ptr<c10::Half>();
+      vector ? kernels::narrow(x, dst, n) : kernels::scalar::narrow(x, dst, n);
+    } else {
+      PYDDP_CHECK_TYPE(dtype == at::kBFloat16, "narrow makes float16 or bfloat16");
+      auto* dst = out.data_ptr<c10::BFloat16>();
+      vector ? kernels::narrow(x, dst, n) : kernels::scalar::narrow(x, dst, n);
+    }
+    return out;
+  });
   t.def("to_partial", [=](at::Tensor local) {
     auto out = partialLike(local);
     kernels::toPartial({dtypeOf(local), RedOp::Sum, 1}, out.data_ptr(), local.data_ptr(),
