@@ -161,6 +161,7 @@ class ProcessGroup:
         self._device_types = tuple(_C.device_types_of(backend))
         self._engines: Dict[str, _C.Engine] = {}
         self._cpu_engine: Optional[_C.Engine] = None
+        self._engine_list: Tuple[_C.Engine, ...] = ()  # _engines' values, for barrier
         self._layout = ""
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
@@ -184,6 +185,7 @@ class ProcessGroup:
                     self._options.num_slots, self._options.direct_max_bytes,
                     self._options.two_shot_max_bytes, self._options.algo)
         self._engines[device.type] = engine
+        self._engine_list = tuple(self._engines.values())
         if device.type == "cpu":
             self._cpu_engine = engine
         return engine
@@ -197,11 +199,13 @@ class ProcessGroup:
             return device
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _engine(self, t: torch.Tensor, call: str, what: str) -> _C.Engine:
-        """The engine for tensors on ``t``'s device, made at first use for "auto"."""
-        # Tensor.is_cpu costs a tenth of Tensor.device.type.
-        if t.is_cpu and self._cpu_engine is not None:
+    def _engine(self, t: object, call: str, what: str) -> _C.Engine:
+        """The engine for tensors on ``t``'s device, made at first use for "auto";
+        TypeError when ``t`` is not a tensor."""
+        # The common case first: Tensor.is_cpu costs a tenth of Tensor.device.type.
+        if isinstance(t, torch.Tensor) and t.is_cpu and self._cpu_engine is not None:
             return self._cpu_engine
+        t = self._tensor(t, call, what)
         engine = self._engines.get(t.device.type)
         if engine is not None:
             return engine
@@ -271,14 +275,13 @@ class ProcessGroup:
 
     def _rank_arg(self, value: object, call: str, what: str) -> int:
         """A rank of this group given as any integral (an int, numpy.int64, ...), as torch takes it."""
-        why = (f"pyddp: rank {self._rank}: {call}: {what} must be an int (a rank of this "
-               f"group), got {value!r}")
-        if isinstance(value, bool):
-            raise TypeError(why)
         try:
+            if isinstance(value, bool):
+                raise TypeError
             rank = operator.index(value)
         except TypeError:
-            raise TypeError(why) from None
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int (a rank "
+                            f"of this group), got {value!r}") from None
         if not 0 <= rank < self._world_size:
             raise ValueError(f"pyddp: rank {self._rank}: {call}: {what}={rank} is not a rank of "
                              f"this group (world_size {self._world_size})")
@@ -295,17 +298,15 @@ class ProcessGroup:
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
-        t = self._tensor(tensor, "all_reduce", "tensor")
-        engine = self._engine(t, "all_reduce", "tensor")
-        return _finish(engine.all_reduce(t, self._op(op, "all_reduce"), async_op), async_op)
+        engine = self._engine(tensor, "all_reduce", "tensor")
+        return _finish(engine.all_reduce(tensor, self._op(op, "all_reduce"), async_op), async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                           ) -> Optional[Work]:
         """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
+        engine = self._engine(input, "all_gather_single", "input")
         out = self._tensor(output, "all_gather_single", "output")
-        inp = self._tensor(input, "all_gather_single", "input")
-        engine = self._engine(inp, "all_gather_single", "input")
-        return _finish(engine.all_gather_single(out, inp, async_op), async_op)
+        return _finish(engine.all_gather_single(out, input, async_op), async_op)
 
     all_gather_into_tensor = all_gather_single
 
@@ -324,19 +325,17 @@ class ProcessGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-        t = self._tensor(tensor, "broadcast", "tensor")
+        engine = self._engine(tensor, "broadcast", "tensor")
         root = self._rank_arg(src, "broadcast", "src")
-        engine = self._engine(t, "broadcast", "tensor")
-        return _finish(engine.broadcast(t, root, async_op), async_op)
+        return _finish(engine.broadcast(tensor, root, async_op), async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
         """``output`` on rank r = block r of ``input`` reduced across ranks."""
+        engine = self._engine(input, "reduce_scatter_single", "input")
         out = self._tensor(output, "reduce_scatter_single", "output")
-        inp = self._tensor(input, "reduce_scatter_single", "input")
         red = self._op(op, "reduce_scatter_single")
-        engine = self._engine(inp, "reduce_scatter_single", "input")
-        return _finish(engine.reduce_scatter_single(out, inp, red, async_op), async_op)
+        return _finish(engine.reduce_scatter_single(out, input, red, async_op), async_op)
 
     reduce_scatter_tensor = reduce_scatter_single
 
@@ -465,10 +464,10 @@ class ProcessGroup:
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier, on every engine of the group
         (so a CUDA engine's queued collectives are done too)."""
-        *others, last = self._engines.values()
-        for engine in others:
+        engines = self._engine_list
+        for engine in engines[:-1]:
             engine.barrier(False)
-        return _finish(last.barrier(async_op), async_op)
+        return _finish(engines[-1].barrier(async_op), async_op)
 
     def shutdown(self) -> None:
         """Stops the group's engines: pending collectives fail, and peers waiting on this

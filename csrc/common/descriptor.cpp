@@ -77,8 +77,12 @@ std::string formatField(int i, uint64_t v) {
   return std::to_string(v);
 }
 
+// Field by field, not through fieldValues(): every collective on shm
+// compares world_size descriptors.
 bool operator==(const CollectiveDesc& a, const CollectiveDesc& b) {
-  return fieldValues(a) == fieldValues(b);
+#define PYDDP_DESC_EQUAL(name, type, init, label) &&a.name == b.name
+  return true PYDDP_COLLECTIVE_DESC_FIELDS(PYDDP_DESC_EQUAL);
+#undef PYDDP_DESC_EQUAL
 }
 
 std::string describe(const CollectiveDesc& d) {
