@@ -35,7 +35,8 @@ from pyddp.bench.sizes import format_size, parse_size, size_sweep
 from pyddp.bench.worker import Launch, launched_rank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "sendrecv")
+DATA_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "sendrecv")
+ALL_OPS = (*DATA_OPS, "barrier")  # a barrier has no buffer: one point per run, size 0
 DEEPSPEED_SEGMENT = "deepspeed_allreduce_buffer"
 RUN_TIMEOUT = 240
 
@@ -142,7 +143,7 @@ def _output(op: str, case) -> torch.Tensor:
     return case.tensor if op in ("all_reduce", "broadcast") else case.output
 
 
-@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("op", DATA_OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8,
                                    torch.uint8, torch.int64])
 def test_reference_matches_simulated_collective(op, dtype):
@@ -456,12 +457,16 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     process, document, _, _ = cpu_run
     assert process.returncode == 0, process.stderr
     assert "# wrong elements: 0 OK" in process.stdout
-    # The limit peer moves bytes without computing the collective: never checked.
-    assert all((r["wrong"] is None) == (r["peer"] == "limit") for r in document["results"])
+    # The limit peer moves bytes without computing the collective, and a barrier has
+    # no output: never checked.
+    assert all((r["wrong"] is None) == (r["peer"] == "limit" or r["op"] == "barrier")
+               for r in document["results"])
     assert all(r["wrong"] in (0, None) for r in document["results"])
-    points = {(op, size) for op in ALL_OPS for size in (64, 4096)}
+    data = {(op, size) for op in DATA_OPS for size in (64, 4096)}
+    points = data | {("barrier", 0)}  # timed once, at the first size
     found, skips = _by_peer(document["results"]), _skips(document)
-    assert found["pyddp"] == points and found["gloo"] == points and found["limit"] == points
+    assert found["pyddp"] == points and found["gloo"] == points and found["limit"] == data
+    assert "moves no bytes" in skips[("limit", "barrier")]
     mpi_reason = mpi_launchable()
     if mpi_reason is None:
         assert found["mpi"] == points
@@ -531,8 +536,9 @@ def test_three_ranks_other_dtype_and_reduction(tmp_path):
     assert process.returncode == 0, process.stderr
     with open(path, encoding="utf-8") as f:
         results = json.load(f)["results"]
-    assert len(results) == 2 * len(ALL_OPS) * 2
-    assert all(r["wrong"] == 0 and r["dtype"] == "bfloat16" for r in results)
+    assert len(results) == 2 * (len(DATA_OPS) * 2 + 1)  # 2 peers, 2 sizes, 1 barrier
+    assert all(r["wrong"] == (None if r["op"] == "barrier" else 0) for r in results)
+    assert all(r["dtype"] == "bfloat16" for r in results)
     assert {r["redop"] for r in results if r["op"] in REDUCING_OPS} == {"max"}
     assert {r["root"] for r in results if r["op"] == "broadcast"} == {1}
 

@@ -18,6 +18,7 @@ def busbw_factor(op: str, world_size: int) -> float:
     - all_to_all: (n-1)/n, with the size being each rank's whole (n-block)
       send buffer: the block a rank keeps for itself moves no bytes
     - sendrecv: 1 (every rank sends its buffer to the next, once)
+    - barrier: 0 (it moves no bytes)
     """
     n = world_size
     if n < 1:
@@ -29,6 +30,7 @@ def busbw_factor(op: str, world_size: int) -> float:
         "broadcast": 1.0,
         "all_to_all": (n - 1) / n,
         "sendrecv": 1.0,
+        "barrier": 0.0,  # no bytes: its algbw and busbw are 0, only its time counts
     }
     if op not in factors:
         raise ValueError(f"no busbw factor for op {op!r}; known: {sorted(factors)}")

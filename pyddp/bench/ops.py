@@ -5,7 +5,8 @@ small integers, so each rank can compute the expected output of any
 collective by itself, in float64, without communicating; ``count_wrong``
 compares against that. A collective is added by writing a Case class with a
 ``prepare`` factory, listing it in ``OPS``, giving peers a method for it and
-its busbw factor in metrics.busbw_factor.
+its busbw factor in metrics.busbw_factor. A barrier moves no bytes: it is
+timed once per run and checked by nothing (``SIZELESS_OPS``).
 """
 
 import math
@@ -363,6 +364,28 @@ class SendRecvCase(_OutOfPlaceCase):
         return count_mismatches(self.output, expected, "none")
 
 
+class BarrierCase:
+    """A barrier: no buffer (size 0), nothing to check; every rank returns once all have
+    entered. It is timed once per run, at the sweep's first size (SIZELESS_OPS)."""
+
+    count = 0
+    nbytes = 0
+
+    @classmethod
+    def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
+                world_size: int, redop: str, root: int) -> "BarrierCase":
+        return cls()
+
+    def reset(self) -> None:
+        """Nothing to restore."""
+
+    def bind(self, peer: Peer) -> Callable[[], None]:
+        return peer.barrier
+
+    def count_wrong(self) -> int:
+        raise NotImplementedError("a barrier has no output to check (SIZELESS_OPS)")
+
+
 CaseFactory = Callable[[int, torch.dtype, torch.device, int, int, str, int], Case]
 """``prepare(nbytes, dtype, device, rank, world_size, redop, root)``: buffers of about ``nbytes``.
 """
@@ -374,7 +397,12 @@ OPS: dict[str, CaseFactory] = {
     "reduce_scatter": ReduceScatterCase.prepare,
     "all_to_all": AllToAllCase.prepare,
     "sendrecv": SendRecvCase.prepare,
+    "barrier": BarrierCase.prepare,
 }
+
+SIZELESS_OPS = frozenset({"barrier"})
+"""The operations without a buffer: timed once, at the sweep's first size, with size 0 and
+nothing for --check to compare."""
 
 REDUCING_OPS = frozenset({"all_reduce", "reduce_scatter"})
 """The collectives that take a reduction operator."""

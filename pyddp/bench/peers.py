@@ -646,6 +646,8 @@ class LimitPeer:
         return cls()
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op == "barrier":
+            return "a barrier moves no bytes: there is no copy to bound it"
         return None
 
     @staticmethod

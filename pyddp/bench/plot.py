@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from pyddp.bench.metrics import Result
+from pyddp.bench.ops import SIZELESS_OPS
 from pyddp.bench.sizes import format_size
 
 
@@ -17,7 +18,8 @@ def unavailable() -> Optional[str]:
 
 def write_plot(path: str, results: Sequence[Result], ops: Sequence[str],
                peers: Sequence[str], title: str) -> None:
-    """Draws, for each op with results, busbw (left) and time per call (right) against size.
+    """Draws, for each op with results, busbw (left) and time per call (right) against size
+    (a barrier, which has no size, is in the tables only).
 
     Both axes are logarithmic; the format follows ``path``'s extension (png,
     svg, pdf). Uses matplotlib's object API with the Agg canvas, so no display
@@ -25,7 +27,8 @@ def write_plot(path: str, results: Sequence[Result], ops: Sequence[str],
     """
     from matplotlib.figure import Figure
 
-    measured = [op for op in ops if any(r.op == op for r in results)]
+    measured = [op for op in ops
+                if op not in SIZELESS_OPS and any(r.op == op for r in results)]
     if not measured:
         raise ValueError("no results to plot")
     figure = Figure(figsize=(12, 4.2 * len(measured)), layout="constrained")

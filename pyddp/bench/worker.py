@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pyddp.bench.peers import PEERS, Peer, RankContext, Run
 from pyddp.bench.metrics import Result, Skipped
-from pyddp.bench.ops import OPS, REDUCING_OPS, Case
+from pyddp.bench.ops import OPS, REDUCING_OPS, SIZELESS_OPS, Case
 from pyddp.bench.over_ranks import max_over_ranks, sum_over_ranks
 
 DTYPES: dict[str, torch.dtype] = {
@@ -139,6 +139,8 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                         yield Skipped(name, op, reason)
             for size in plan.sizes:
                 for op in plan.ops:
+                    if op in SIZELESS_OPS and size != plan.sizes[0]:
+                        continue
                     cases: dict[torch.device, Case] = {}
                     for peer in active[op]:
                         if peer.device not in cases:
@@ -215,7 +217,7 @@ def _measure(op: str, points: list[_Point], plan: Plan) -> Iterator[Result]:
     root = plan.root if op == "broadcast" else -1
     for point in points:
         wrong = None
-        if plan.check and point.peer.checked:
+        if plan.check and point.peer.checked and op not in SIZELESS_OPS:
             try:
                 point.case.reset()
                 point.run()
