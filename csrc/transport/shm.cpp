@@ -1,6 +1,7 @@
 #include "transport/shm.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -31,13 +32,25 @@ namespace {
 // Waiting policy. A collective between ranks that are all inside it takes
 // microseconds, so a waiter first spins. A peer that is still computing
 // (DDP's backward) or more ranks than cores (tests run 4 ranks on 2 cores)
-// needs the CPU handed over: yield, and after that sleep.
+// needs the CPU handed over: yield, and after that sleep. With more ranks
+// than cores a waiter does not spin at all: the peer it waits for is likely
+// not running, and spinning keeps it off the core (Open MPI yields at once
+// under --oversubscribe too). 4 ranks on 2 cores, all_reduce of 4 KiB:
+// 60.9 us spinning first, 34.0 us yielding at once (3 ranks: 69.4 and
+// 14.3 us; `python -m pyddp.bench --world-size 4`, benchmarks/README.md).
 constexpr auto kSpinPhase = std::chrono::microseconds(20);
 constexpr auto kYieldPhase = std::chrono::milliseconds(2);
 constexpr auto kSleepQuantum = std::chrono::microseconds(50);
 // How often a waiter looks for dead peers and its deadline: reading
 // /proc/<pid>/stat of every peer costs microseconds.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(20);
+
+// The cores this process may run on.
+int usableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
 
 inline void cpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -95,6 +108,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
+      spinPhase_(worldSize <= usableCores() ? kSpinPhase : Clock::duration::zero()),
       segments_(worldSize) {
   options.validate();
 }
@@ -339,7 +353,7 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
   auto nextCheck = start + kLivenessPeriod;
   for (uint32_t i = 1; !ready(); ++i) {
     const auto waited = now - start;
-    if (waited < kSpinPhase) {
+    if (waited < spinPhase_) {
       cpuRelax();
     } else if (waited < kYieldPhase) {
       std::this_thread::yield();
@@ -347,8 +361,8 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
       std::this_thread::sleep_for(kSleepQuantum);
     }
     // Reading the clock costs tens of cycles: do it every few spins.
-    if (waited >= kSpinPhase || (i & 63) == 0) now = Clock::now();
-    if (waited >= kSpinPhase && interruptRequested()) {
+    if (waited >= spinPhase_ || (i & 63) == 0) now = Clock::now();
+    if (waited >= spinPhase_ && interruptRequested()) {
       PYDDP_CHECK_COMM(false, "rank ", rank_, ": interrupted while ", currentCall(),
                        " waited for rank ", peer);
     }

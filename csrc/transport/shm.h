@@ -224,6 +224,8 @@ class ShmTransport final : public Transport,
   const size_t directBytes_;
   const std::string hostId_;
   const std::string pidNamespace_;
+  // How long a wait spins before it yields: none with more ranks than cores.
+  const Clock::duration spinPhase_;
 
   std::string ownName_;   // chosen by reserve()
   bool linked_ = false;  // own segment name still exists in /dev/shm
