@@ -80,6 +80,23 @@ def test_ring_kernels_match_torch(dtype, op):
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
+def test_ring_kernels_read_a_first_hop_sent_as_elements(dtype, op):
+    # shm sends a reduction's first hop as the sender's elements, not as
+    # partials: the steps that read it must give the same as from partials.
+    red = getattr(_C.RedOp, op)
+    acc = _acc(dtype)
+    for n in LENGTHS:
+        a, b = _values(dtype, n, 1), _values(dtype, n, 2)
+        partial = k.reduce_partial(red, 3, a, b, elements=True)
+        _same(partial, _combine(op, a.to(acc), b.to(acc)))
+        _same(partial, k.reduce_partial(red, 3, k.to_partial(a), b))
+        out, out2 = k.reduce_final(red, 2, a, b, elements=True)
+        expected = _reference(op, dtype, [a, b], 2)
+        _same(out, expected)
+        _same(out2, expected)
+
+
+@pytest.mark.parametrize("dtype,op", _cases())
 def test_reduce_n_matches_torch_in_source_order(dtype, op):
     red = getattr(_C.RedOp, op)
     for nsrc in (1, 2, 3, 5):

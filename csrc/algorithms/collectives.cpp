@@ -60,12 +60,13 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
     // steps 1..n-2: add my share to the partial sum and pass it on
     for (int step = 0; step < n - 2; ++step) {
       s = slice(schedule::recvBlock(r, step, n, 0), p);
-      if (s.count) link.recvReduceSend(spec, at(in, s.begin, es), s.count);
+      if (s.count) link.recvReduceSend(spec, hopOfStep(step), at(in, s.begin, es), s.count);
     }
     // last reduce step: the block is complete; keep it and start gathering
     s = slice(schedule::recvBlock(r, n - 2, n, 0), p);
     if (s.count) {
-      link.recvReduceCopySend(spec, at(in, s.begin, es), at(out, s.begin, es), s.count);
+      link.recvReduceCopySend(spec, hopOfStep(n - 2), at(in, s.begin, es), at(out, s.begin, es),
+                              s.count);
     }
     // gather phase: store each finished block and pass it on
     for (int step = 0; step < n - 2; ++step) {
@@ -183,11 +184,12 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
     // steps 1..n-2: add my share to the partial sum and pass it on
     for (int step = 0; step < n - 2; ++step) {
       const int b = schedule::recvBlock(r, step, n, -1);
-      link.recvReduceSend(spec, at(inBlocks[b], pc.begin, es), pc.count);
+      link.recvReduceSend(spec, hopOfStep(step), at(inBlocks[b], pc.begin, es), pc.count);
     }
     // last step: my own block, complete
     const int b = schedule::recvBlock(r, n - 2, n, -1);
-    link.recvReduceCopy(spec, at(inBlocks[b], pc.begin, es), at(out, pc.begin, es), pc.count);
+    link.recvReduceCopy(spec, hopOfStep(n - 2), at(inBlocks[b], pc.begin, es),
+                        at(out, pc.begin, es), pc.count);
   }
 }
 
@@ -310,11 +312,14 @@ void ringReduce(const Call& c, MessageLink& link, const kernels::ReduceSpec& spe
     // steps 1..n-2: add my share to the partial sum and pass it on
     for (int step = 0; step < n - 2; ++step) {
       s = slice(schedule::recvBlock(r, step, n, 0), p);
-      if (s.count) ring.recvReduceSend(spec, at(in, s.begin, es), s.count);
+      if (s.count) ring.recvReduceSend(spec, hopOfStep(step), at(in, s.begin, es), s.count);
     }
     // last step: the block I own is complete
     s = slice(owned, p);
-    if (s.count) ring.recvReduceCopy(spec, at(in, s.begin, es), at(out, s.begin, es), s.count);
+    if (s.count) {
+      ring.recvReduceCopy(spec, hopOfStep(n - 2), at(in, s.begin, es), at(out, s.begin, es),
+                          s.count);
+    }
   }
   // every owned block to the root
   const int64_t tag = collectiveTag(c.desc);

@@ -22,6 +22,16 @@ constexpr size_t kTileElems = 512;
 template <typename T>
 constexpr bool kHalf = !std::is_same_v<acc_t<T>, T>;
 
+// A half type's incoming operand, one tile as fp32: partials are read where
+// they lie, elements are widened into `tile` first.
+template <typename T>
+const float* incomingTile(const void* in, Incoming incoming, size_t base, size_t n,
+                          float* tile) {
+  if (incoming == Incoming::Partials) return static_cast<const float*>(in) + base;
+  widen(static_cast<const T*>(in) + base, tile, n);
+  return tile;
+}
+
 } // namespace
 
 size_t partialSize(DataType t) {
@@ -43,21 +53,23 @@ void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count)
   });
 }
 
-void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
+void reducePartial(const ReduceSpec& spec, void* dst, const void* in, Incoming incoming,
                    const void* local, size_t count) {
   dispatch(spec, [&](auto t, auto op) {
     using T = decltype(t);
     auto* d = static_cast<acc_t<T>*>(dst);
-    const auto* p = static_cast<const acc_t<T>*>(partial);
     const auto* x = static_cast<const T*>(local);
     if constexpr (kHalf<T>) {
-      float wide[kTileElems];
+      float wide[kTileElems], inWide[kTileElems];
       for (size_t base = 0; base < count; base += kTileElems) {
         const size_t n = std::min(kTileElems, count - base);
+        const float* p = incomingTile<T>(in, incoming, base, n, inWide);
         widen(x + base, wide, n);
-        for (size_t i = 0; i < n; ++i) d[base + i] = op(p[base + i], wide[i]);
+        for (size_t i = 0; i < n; ++i) d[base + i] = op(p[i], wide[i]);
       }
     } else {
+      // Elements and partials are alike here: acc_t<T> is T.
+      const auto* p = static_cast<const T*>(in);
       for (size_t i = 0; i < count; ++i) {
         reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
       }
@@ -65,31 +77,35 @@ void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
   });
 }
 
-void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* partial,
-                 const void* local, size_t count) {
+void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
+                 Incoming incoming, const void* local, size_t count) {
   dispatch(spec, [&](auto t, auto op) {
     using T = decltype(t);
     const auto fin = finishFor<T>(spec);
     auto* d = static_cast<T*>(dst);
     auto* d2 = static_cast<T*>(dst2);
-    const auto* p = static_cast<const acc_t<T>*>(partial);
     const auto* x = static_cast<const T*>(local);
     if constexpr (kHalf<T>) {
-      float wide[kTileElems];
+      float wide[kTileElems], inWide[kTileElems];
       for (size_t base = 0; base < count; base += kTileElems) {
         const size_t n = std::min(kTileElems, count - base);
+        const float* p = incomingTile<T>(in, incoming, base, n, inWide);
         widen(x + base, wide, n);
-        for (size_t i = 0; i < n; ++i) wide[i] = fin(op(p[base + i], wide[i]));
+        for (size_t i = 0; i < n; ++i) wide[i] = fin(op(p[i], wide[i]));
         narrow(wide, d + base, n);
         if (d2 != nullptr) std::memcpy(d2 + base, d + base, n * sizeof(T));
       }
-    } else if (d2 == nullptr) {
-      for (size_t i = 0; i < count; ++i) {
-        d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
-      }
     } else {
-      for (size_t i = 0; i < count; ++i) {
-        d[i] = d2[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
+      // Elements and partials are alike here: acc_t<T> is T.
+      const auto* p = static_cast<const T*>(in);
+      if (d2 == nullptr) {
+        for (size_t i = 0; i < count; ++i) {
+          d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
+        }
+      } else {
+        for (size_t i = 0; i < count; ++i) {
+          d[i] = d2[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
+        }
       }
     }
   });

@@ -21,15 +21,21 @@ struct ReduceSpec {
 // types, the element type otherwise).
 size_t partialSize(DataType t);
 
+// What the incoming operand of a ring step holds: partial results, or the
+// sender's own elements. A ring's first hop carries a rank's elements
+// unreduced, which are exact as elements, so a transport may send them at
+// the element size (half a half type's partial bytes).
+enum class Incoming { Partials, Elements };
+
 // dst (partials) = src (elements), converted: the start of a ring reduction.
 void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count);
-// dst (partials) = partial op local (elements).
-void reducePartial(const ReduceSpec& spec, void* dst, const void* partial,
+// dst (partials) = in op local (elements); `in` holds what `incoming` says.
+void reducePartial(const ReduceSpec& spec, void* dst, const void* in, Incoming incoming,
                    const void* local, size_t count);
-// dst (elements) = finish(partial op local); AVG divides here. When dst2 is
-// not null it receives the same elements.
-void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* partial,
-                 const void* local, size_t count);
+// dst (elements) = finish(in op local); AVG divides here. When dst2 is not
+// null it receives the same elements.
+void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
+                 Incoming incoming, const void* local, size_t count);
 // dst = finish(src[0] op ... op src[nsrc-1]), in source order.
 void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count);

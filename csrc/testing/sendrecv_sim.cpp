@@ -143,11 +143,11 @@ class SimOps final : public SendRecvOps {
   }
   void reducePartial(const kernels::ReduceSpec& spec, void* dst, const void* partial,
                      const void* local, size_t count) override {
-    kernels::reducePartial(spec, dst, partial, local, count);
+    kernels::reducePartial(spec, dst, partial, kernels::Incoming::Partials, local, count);
   }
   void reduceFinal(const kernels::ReduceSpec& spec, void* dst, const void* partial,
                    const void* local, size_t count) override {
-    kernels::reduceFinal(spec, dst, nullptr, partial, local, count);
+    kernels::reduceFinal(spec, dst, nullptr, partial, kernels::Incoming::Partials, local, count);
   }
 
  private:

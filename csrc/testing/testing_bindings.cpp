@@ -108,18 +108,31 @@ void bindTesting(py::module_& m) {
                        local.numel());
     return out;
   });
-  t.def("reduce_partial", [=](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
-    auto out = partialLike(local);
-    kernels::reducePartial({dtypeOf(local), op, worldSize}, out.data_ptr(),
-                           partial.data_ptr(), local.data_ptr(), local.numel());
-    return out;
-  });
-  t.def("reduce_final", [](RedOp op, int worldSize, at::Tensor partial, at::Tensor local) {
-    auto out = at::empty_like(local), out2 = at::empty_like(local);
-    kernels::reduceFinal({dtypeOf(local), op, worldSize}, out.data_ptr(), out2.data_ptr(),
-                         partial.data_ptr(), local.data_ptr(), local.numel());
-    return std::make_pair(out, out2);
-  });
+  // `incoming` holds partials, or elements when `elements` (a ring's first
+  // hop as shm sends it).
+  auto form = [](bool elements) {
+    return elements ? kernels::Incoming::Elements : kernels::Incoming::Partials;
+  };
+  t.def("reduce_partial",
+        [=](RedOp op, int worldSize, at::Tensor incoming, at::Tensor local, bool elements) {
+          auto out = partialLike(local);
+          kernels::reducePartial({dtypeOf(local), op, worldSize}, out.data_ptr(),
+                                 incoming.data_ptr(), form(elements), local.data_ptr(),
+                                 local.numel());
+          return out;
+        },
+        py::arg("op"), py::arg("world_size"), py::arg("incoming"), py::arg("local"),
+        py::kw_only(), py::arg("elements") = false);
+  t.def("reduce_final",
+        [=](RedOp op, int worldSize, at::Tensor incoming, at::Tensor local, bool elements) {
+          auto out = at::empty_like(local), out2 = at::empty_like(local);
+          kernels::reduceFinal({dtypeOf(local), op, worldSize}, out.data_ptr(), out2.data_ptr(),
+                               incoming.data_ptr(), form(elements), local.data_ptr(),
+                               local.numel());
+          return std::make_pair(out, out2);
+        },
+        py::arg("op"), py::arg("world_size"), py::arg("incoming"), py::arg("local"),
+        py::kw_only(), py::arg("elements") = false);
   // Creates one shm segment as a group's bootstrap does, reports its name and
   // permission bits, and destroys it without ever connecting.
   t.def("probe_shm_segment", [] {

@@ -351,7 +351,7 @@ void CudaIpcTransport::sendPartial(const kernels::ReduceSpec& spec, const void* 
   signal({{&header(rank_)->posted.value}, {k + 1}, 1});
 }
 
-void CudaIpcTransport::recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+void CudaIpcTransport::recvReduceSend(const kernels::ReduceSpec& spec, Hop, const void* local,
                                       size_t count) {
   const uint64_t kr = received_++, ks = sent_++;
   WaitList w{};
@@ -362,7 +362,7 @@ void CudaIpcTransport::recvReduceSend(const kernels::ReduceSpec& spec, const voi
   signal({{&header(rank_)->consumed.value, &header(rank_)->posted.value}, {kr + 1, ks + 1}, 2});
 }
 
-void CudaIpcTransport::recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+void CudaIpcTransport::recvReduceCopy(const kernels::ReduceSpec& spec, Hop, const void* local,
                                       void* dst, size_t count) {
   const uint64_t k = received_++;
   WaitList w{};
@@ -372,7 +372,7 @@ void CudaIpcTransport::recvReduceCopy(const kernels::ReduceSpec& spec, const voi
   signal({{&header(rank_)->consumed.value}, {k + 1}, 1});
 }
 
-void CudaIpcTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+void CudaIpcTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, Hop, const void* local,
                                           void* dst, size_t count) {
   const uint64_t kr = received_++, ks = sent_++;
   WaitList w{};

@@ -65,13 +65,15 @@ class CudaIpcTransport final : public Transport,
   void send(const void* src, size_t bytes) override;
   void recv(void* dst, size_t bytes) override;
   void recvCopySend(void* dst, size_t bytes) override;
+  // Every hop carries partials (sendPartial converts), so a receive reads
+  // partials whatever its Hop.
   void sendPartial(const kernels::ReduceSpec& spec, const void* local,
                    size_t count) override;
-  void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceSend(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                       size_t count) override;
-  void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceCopy(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                       void* dst, size_t count) override;
-  void recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                           void* dst, size_t count) override;
 
   // LocalOps, on the stream

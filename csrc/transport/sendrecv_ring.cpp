@@ -50,7 +50,7 @@ void SendRecvRing::sendPartial(const kernels::ReduceSpec& spec, const void* loca
   defer(sendScratch_, count * kernels::partialSize(spec.dtype));
 }
 
-void SendRecvRing::recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+void SendRecvRing::recvReduceSend(const kernels::ReduceSpec& spec, Hop, const void* local,
                              size_t count) {
   const size_t bytes = count * kernels::partialSize(spec.dtype);
   receive(recvScratch_, bytes);
@@ -58,13 +58,13 @@ void SendRecvRing::recvReduceSend(const kernels::ReduceSpec& spec, const void* l
   defer(sendScratch_, bytes);
 }
 
-void SendRecvRing::recvReduceCopy(const kernels::ReduceSpec& spec, const void* local, void* dst,
-                             size_t count) {
+void SendRecvRing::recvReduceCopy(const kernels::ReduceSpec& spec, Hop, const void* local,
+                                  void* dst, size_t count) {
   receive(recvScratch_, count * kernels::partialSize(spec.dtype));
   if (count) ops_.reduceFinal(spec, dst, recvScratch_, local, count);
 }
 
-void SendRecvRing::recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+void SendRecvRing::recvReduceCopySend(const kernels::ReduceSpec& spec, Hop, const void* local,
                                  void* dst, size_t count) {
   receive(recvScratch_, count * kernels::partialSize(spec.dtype));
   if (count) ops_.reduceFinal(spec, dst, recvScratch_, local, count);

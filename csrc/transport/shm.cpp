@@ -98,6 +98,11 @@ Blob decodeBlob(const std::string& text, int peer) {
               r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
 }
 
+// What a slot holds: sendPartial sends elements, recvReduceSend partials.
+kernels::Incoming incoming(Hop hop) {
+  return hop == Hop::First ? kernels::Incoming::Elements : kernels::Incoming::Partials;
+}
+
 } // namespace
 
 ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
@@ -470,30 +475,31 @@ void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   releaseRecv();
 }
 
+// The first hop goes as elements: as partials, a half type's would double
+// the bytes of a 2-rank reduce-scatter.
 void ShmTransport::sendPartial(const kernels::ReduceSpec& spec, const void* local,
                                size_t count) {
-  kernels::toPartial(spec, claimSendSlot(), local, count);
-  postSend();
+  send(local, count * elementSize(spec.dtype));
 }
 
-void ShmTransport::recvReduceSend(const kernels::ReduceSpec& spec,
+void ShmTransport::recvReduceSend(const kernels::ReduceSpec& spec, Hop hop,
                                   const void* local, size_t count) {
   const char* in = awaitRecvSlot();
-  kernels::reducePartial(spec, claimSendSlot(), in, local, count);
+  kernels::reducePartial(spec, claimSendSlot(), in, incoming(hop), local, count);
   postSend();
   releaseRecv();
 }
 
-void ShmTransport::recvReduceCopy(const kernels::ReduceSpec& spec,
+void ShmTransport::recvReduceCopy(const kernels::ReduceSpec& spec, Hop hop,
                                   const void* local, void* dst, size_t count) {
-  kernels::reduceFinal(spec, dst, nullptr, awaitRecvSlot(), local, count);
+  kernels::reduceFinal(spec, dst, nullptr, awaitRecvSlot(), incoming(hop), local, count);
   releaseRecv();
 }
 
-void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec,
+void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop,
                                       const void* local, void* dst, size_t count) {
   const char* in = awaitRecvSlot();
-  kernels::reduceFinal(spec, dst, claimSendSlot(), in, local, count);
+  kernels::reduceFinal(spec, dst, claimSendSlot(), in, incoming(hop), local, count);
   postSend();
   releaseRecv();
 }

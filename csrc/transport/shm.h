@@ -164,11 +164,11 @@ class ShmTransport final : public Transport,
   void recvCopySend(void* dst, size_t bytes) override;
   void sendPartial(const kernels::ReduceSpec& spec, const void* local,
                    size_t count) override;
-  void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceSend(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                       size_t count) override;
-  void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceCopy(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                       void* dst, size_t count) override;
-  void recvReduceCopySend(const kernels::ReduceSpec& spec, const void* local,
+  void recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                           void* dst, size_t count) override;
 
   // LocalOps, on the CPU

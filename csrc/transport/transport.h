@@ -20,6 +20,13 @@
 
 namespace pyddp {
 
+// Which hop of a reduction a receive reads: First reads what the left
+// neighbour's sendPartial sent, Later what its recvReduceSend sent.
+enum class Hop { First, Later };
+
+// The hop a reduction's ring step receives: its step 0 reads a sendPartial.
+inline Hop hopOfStep(int step) { return step == 0 ? Hop::First : Hop::Later; }
+
 // One direction of the ring: this rank sends to rank+1 and receives from
 // rank-1. Each verb moves one piece (at most pieceBytes()) and returns when
 // this rank's part is done; pieces are matched by order, so both ends must
@@ -37,20 +44,23 @@ class RingLink {
   virtual void recvCopySend(void* dst, size_t bytes) = 0;
 
   // Reductions travel as partial results (kernels::partialSize per element)
-  // until the last hop finishes them into elements.
-  // Start a reduction: send local elements as partial results.
+  // until the last hop finishes them into elements. The first hop carries
+  // the sender's own elements, exact as elements: a transport may send them
+  // so (kernels::Incoming::Elements), at half a half type's partial bytes,
+  // and the receive told Hop::First reads them so.
+  // Start a reduction: send local elements, the first hop (as partials or
+  // as elements, the transport's choice).
   virtual void sendPartial(const kernels::ReduceSpec& spec, const void* local,
                            size_t count) = 0;
   // Forward received partials op local elements, still partial.
-  virtual void recvReduceSend(const kernels::ReduceSpec& spec, const void* local,
+  virtual void recvReduceSend(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                               size_t count) = 0;
   // dst = finish(received partials op local).
-  virtual void recvReduceCopy(const kernels::ReduceSpec& spec, const void* local,
+  virtual void recvReduceCopy(const kernels::ReduceSpec& spec, Hop hop, const void* local,
                               void* dst, size_t count) = 0;
   // dst = finish(received partials op local), and forward those elements.
-  virtual void recvReduceCopySend(const kernels::ReduceSpec& spec,
-                                  const void* local, void* dst,
-                                  size_t count) = 0;
+  virtual void recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop,
+                                  const void* local, void* dst, size_t count) = 0;
 };
 
 // Work a rank does alone on memory it can address (its tensors, its staging
