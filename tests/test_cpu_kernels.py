@@ -128,13 +128,20 @@ def test_integers_wrap_around():
     assert k.reduce_n(_C.RedOp.SUM, 4, [big] * 4).tolist() == [0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("op", ["MIN", "MAX"])
-def test_nan_wins_min_and_max(op):
-    a = torch.tensor([float("nan"), 1.0, 2.0])
-    b = torch.tensor([0.0, float("nan"), 1.0])
-    out = k.reduce_final(getattr(_C.RedOp, op), 2, a, b)[0]
-    assert out[0].isnan() and out[1].isnan()
-    assert out[2].item() == (1.0 if op == "MIN" else 2.0)
+def test_nan_wins_min_and_max(dtype, op):
+    # 19 elements: two whole vectors of the half types' vector pass and a
+    # tail through the tiles, NaN on either side in both.
+    a = torch.tensor([float("nan"), 1.0, 2.0] * 6 + [float("nan")]).to(dtype)
+    b = torch.tensor([0.0, float("nan"), 1.0] * 6 + [3.0]).to(dtype)
+    red = getattr(_C.RedOp, op)
+    expected = _reference(op, dtype, [a, b], 2)
+    assert expected.isnan().sum() == 13
+    _same(k.reduce_final(red, 2, k.to_partial(a), b)[0], expected)
+    _same(k.reduce_final(red, 2, a, b, elements=True)[0], expected)
+    _same(k.reduce_partial(red, 2, a, b, elements=True),
+          _combine(op, a.to(_acc(dtype)), b.to(_acc(dtype))))
 
 
 def _every_value(dtype):

@@ -16,7 +16,8 @@ namespace {
 // Elements per tile: an accumulator tile stays in L1 while every source
 // streams through it, and each inner loop is a plain element-wise loop the
 // compiler vectorises. A half type's operands are widened to fp32 a tile at
-// a time (half_cpu.h), so its loops are fp32 loops too.
+// a time (half_cpu.h), so its loops are fp32 loops too; its ring steps take
+// half_cpu.h's one-pass vector loops first, and tiles for the rest.
 constexpr size_t kTileElems = 512;
 
 template <typename T>
@@ -61,7 +62,8 @@ void reducePartial(const ReduceSpec& spec, void* dst, const void* in, Incoming i
     const auto* x = static_cast<const T*>(local);
     if constexpr (kHalf<T>) {
       float wide[kTileElems], inWide[kTileElems];
-      for (size_t base = 0; base < count; base += kTileElems) {
+      const size_t done = reducePartialVector(spec.op, d, in, incoming, x, count);
+      for (size_t base = done; base < count; base += kTileElems) {
         const size_t n = std::min(kTileElems, count - base);
         const float* p = incomingTile<T>(in, incoming, base, n, inWide);
         widen(x + base, wide, n);
@@ -87,7 +89,9 @@ void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
     const auto* x = static_cast<const T*>(local);
     if constexpr (kHalf<T>) {
       float wide[kTileElems], inWide[kTileElems];
-      for (size_t base = 0; base < count; base += kTileElems) {
+      const size_t done =
+          reduceFinalVector(spec.op, fin.divisor, d, d2, in, incoming, x, count);
+      for (size_t base = done; base < count; base += kTileElems) {
         const size_t n = std::min(kTileElems, count - base);
         const float* p = incomingTile<T>(in, incoming, base, n, inWide);
         widen(x + base, wide, n);
