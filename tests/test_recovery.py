@@ -67,11 +67,14 @@ def test_a_killed_rank_is_survived_under_torchrun_restarts(tmp_path):
 
     checkpoint = tmp_path / "checkpoint"
     log = tmp_path / "torchrun.log"
+    # torchrun stops every worker within its monitor interval of one's death
+    # (0.1 s by default): on a loaded machine that could come before the
+    # survivor, busy between collectives, noticed the death and said so.
     with open(log, "w") as out:
         job = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", "--max-restarts", "2", TRAIN, *ARGS,
-             "--checkpoint", str(checkpoint)],
+             "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "2",
+             TRAIN, *ARGS, "--checkpoint", str(checkpoint)],
             env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + RUN_SECONDS
