@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import signal
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -52,6 +53,10 @@ def _rank_main(rank: int, world_size: int, tmpdir: str, setup: Optional[Callable
                conn) -> None:
     import torch
 
+    # Ctrl-C as in a foreground Python, even when the suite was started with
+    # SIGINT ignored (a background job of a non-interactive shell): a
+    # disposition every child inherits, under which Python raises nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     ctx = RankContext(rank, world_size, tmpdir)
     try:

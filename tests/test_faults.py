@@ -598,9 +598,11 @@ def _script_ranks(script: str, world: int, *args: str):
     """``world`` interpreters running ``script`` with the arguments rank, a store
     path and ``args``; every one killed and the store removed on the way out."""
     path = tempfile.mktemp(prefix="pyddp-faults-")
+    # SIGINT as a foreground job has it (see harness._rank_main).
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), path, *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_script_env())
+                              env=_script_env(),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
              for r in range(world)]
     try:
         yield procs
