@@ -199,6 +199,7 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptio
     if (ticket != 0 && queue->syncTicket == ticket) queue->syncTicket = 0;
     if (queue->stop || !queue->gaveUp.empty()) return;
     queue->gaveUp = why;
+    queue->hasGivenUp.store(true, std::memory_order_release);
     try {
       queue->hooks.abandon(why);
     } catch (const std::exception&) {
@@ -241,7 +242,7 @@ void CpuExecutor::run(Job& job) {
   Collective& c = job.collective;
   c.desc.seq = nextSeq_++;
   if (job.work) job.work->started(c.desc.seq);
-  if (brokenBy_.empty()) {
+  if (brokenBy_.empty() && queue_->hasGivenUp.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(queue_->mu);
     brokenBy_ = queue_->gaveUp;
   }

@@ -94,6 +94,8 @@ class CpuExecutor final : public Executor {
     uint64_t nextTicket = 1;
     // mu; why this rank gave up on the group (an interrupted waiter).
     std::string gaveUp;
+    // Set once gaveUp is, so that a collective looks at it without the lock.
+    std::atomic<bool> hasGivenUp{false};
     bool exited = false;  // mu; the worker left its loop
   };
 

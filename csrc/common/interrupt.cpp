@@ -10,7 +10,7 @@ thread_local InterruptScope* innermost = nullptr;
 } // namespace
 
 InterruptScope::InterruptScope(std::function<bool()> check)
-    : check_(std::move(check)), outer_(innermost), nextCheck_(Clock::now() + kPeriod) {
+    : check_(std::move(check)), outer_(innermost) {
   innermost = this;
 }
 
@@ -22,6 +22,11 @@ bool interruptRequested() {
   InterruptScope* scope = innermost;
   if (scope == nullptr || scope->fired_) return scope != nullptr;
   const auto now = Clock::now();
+  if (!scope->asked_) {
+    scope->asked_ = true;
+    scope->nextCheck_ = now + InterruptScope::kPeriod;
+    return false;
+  }
   if (now < scope->nextCheck_) return false;
   scope->nextCheck_ = now + InterruptScope::kPeriod;
   scope->fired_ = scope->check_();

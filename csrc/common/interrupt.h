@@ -21,7 +21,9 @@ class InterruptScope {
   static constexpr auto kPeriod = std::chrono::milliseconds(5);
 
   // Installs `check` (true: the caller wants out) on this thread until
-  // destroyed; scopes nest.
+  // destroyed; scopes nest. The first kPeriod starts at the first
+  // interruptRequested(), not here: a call that never waits (most small
+  // collectives) reads no clock for its scope.
   explicit InterruptScope(std::function<bool()> check);
   ~InterruptScope();
   InterruptScope(const InterruptScope&) = delete;
@@ -33,7 +35,8 @@ class InterruptScope {
 
   std::function<bool()> check_;
   InterruptScope* outer_;
-  Clock::time_point nextCheck_;
+  Clock::time_point nextCheck_;  // valid once asked_
+  bool asked_ = false;
   bool fired_ = false;  // once true, stays true: the signal was consumed
 };
 
