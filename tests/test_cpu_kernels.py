@@ -131,8 +131,9 @@ def test_integers_wrap_around():
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("op", ["MIN", "MAX"])
 def test_nan_wins_min_and_max(dtype, op):
-    # 19 elements: two whole vectors of the half types' vector pass and a
-    # tail through the tiles, NaN on either side in both.
+    # 19 elements: whole vectors of the half types' vector pass (two of 8
+    # lanes, or one of 16 for two bfloat16 operands) and a tail through the
+    # tiles, NaN on either side in both.
     a = torch.tensor([float("nan"), 1.0, 2.0] * 6 + [float("nan")]).to(dtype)
     b = torch.tensor([0.0, float("nan"), 1.0] * 6 + [3.0]).to(dtype)
     red = getattr(_C.RedOp, op)
