@@ -1,7 +1,6 @@
 #include "transport/shm.h"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,11 +11,6 @@
 #include <new>
 #include <random>
 #include <sstream>
-#include <thread>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include "common/blob.h"
 #include "common/check.h"
@@ -24,41 +18,11 @@
 #include "common/interrupt.h"
 #include "transport/shm_channel.h"
 #include "transport/shm_segment.h"
+#include "transport/wait_policy.h"
 
 namespace pyddp {
 namespace shm {
 namespace {
-
-// Waiting policy. A collective between ranks that are all inside it takes
-// microseconds, so a waiter first spins. A peer that is still computing
-// (DDP's backward) or more ranks than cores (tests run 4 ranks on 2 cores)
-// needs the CPU handed over: yield, and after that sleep. With more ranks
-// than cores a waiter does not spin at all: the peer it waits for is likely
-// not running, and spinning keeps it off the core (Open MPI yields at once
-// under --oversubscribe too). 4 ranks on 2 cores, all_reduce of 4 KiB:
-// 60.9 us spinning first, 34.0 us yielding at once (3 ranks: 69.4 and
-// 14.3 us; `python -m pyddp.bench --world-size 4`, benchmarks/README.md).
-constexpr auto kSpinPhase = std::chrono::microseconds(20);
-constexpr auto kYieldPhase = std::chrono::milliseconds(2);
-constexpr auto kSleepQuantum = std::chrono::microseconds(50);
-// How often a waiter looks for dead peers and its deadline: reading
-// /proc/<pid>/stat of every peer costs microseconds.
-constexpr auto kLivenessPeriod = std::chrono::milliseconds(20);
-
-// The cores this process may run on.
-int usableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
-  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-}
-
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 std::string errnoText() {
   return std::strerror(errno);
@@ -113,7 +77,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
-      spinPhase_(worldSize <= usableCores() ? kSpinPhase : Clock::duration::zero()),
+      spinPhase_(Backoff::spinPhaseFor(worldSize)),
       segments_(worldSize) {
   options.validate();
 }
@@ -353,31 +317,19 @@ void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
 template <typename Ready>
 void ShmTransport::waitFor(int peer, Ready&& ready) {
   if (ready()) return;
-  const auto start = Clock::now();
-  auto now = start;
-  auto nextCheck = start + kLivenessPeriod;
-  for (uint32_t i = 1; !ready(); ++i) {
-    const auto waited = now - start;
-    if (waited < spinPhase_) {
-      cpuRelax();
-    } else if (waited < kYieldPhase) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(kSleepQuantum);
-    }
-    // Reading the clock costs tens of cycles: do it every few spins.
-    if (waited >= spinPhase_ || (i & 63) == 0) now = Clock::now();
-    if (waited >= spinPhase_ && interruptRequested()) {
+  Backoff backoff(spinPhase_);
+  while (!ready()) {
+    const bool due = backoff.pause();
+    if (backoff.pastSpinning() && interruptRequested()) {
       PYDDP_CHECK_COMM(false, "rank ", rank_, ": interrupted while ", currentCall(),
                        " waited for rank ", peer);
     }
-    if (now >= nextCheck) {
+    if (due) {
       // Look at the peer before looking at the flag: a peer that posted
       // and then exited has done its part.
       const bool alive = peerAlive(peer);
       if (ready()) return;
-      failIfStuck(peer, alive, now);
-      nextCheck = now + kLivenessPeriod;
+      failIfStuck(peer, alive, backoff.now());
     }
   }
 }
