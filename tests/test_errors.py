@@ -221,11 +221,25 @@ def _bad_inputs(ctx: RankContext) -> None:
                 pg.broadcast, torch.zeros(2), src)
     raises(TypeError, f"{who}: all_reduce: tensor must be a torch.Tensor", pg.all_reduce,
             [1.0, 2.0])
+    raises(TypeError, f"{who}: broadcast: tensor must be a torch.Tensor", pg.broadcast, 1.0, 0)
+    raises(TypeError, f"{who}: all_gather_single: input must be a torch.Tensor",
+            pg.all_gather_single, torch.zeros(2 * n), [0.0, 0.0])
+    raises(TypeError, f"{who}: reduce_scatter_single: input must be a torch.Tensor",
+            pg.reduce_scatter_single, torch.zeros(1), None)
+    for call, args in (("broadcast", (torch.ones(2, device="meta"), 0)),
+                       ("all_gather_single", (torch.zeros(2 * n), torch.ones(2, device="meta"))),
+                       ("reduce_scatter_single", (torch.zeros(1),
+                                                  torch.ones(n, device="meta")))):
+        raises(TypeError, f"{who}: {call}: (tensor|input) is on meta", getattr(pg, call), *args)
     raises(TypeError, f"{who}: broadcast: src must be an int", pg.broadcast, torch.zeros(1), "0")
-    # None of the refused calls reached the peers: the group still works.
+    # None of the refused calls reached the peers: the group still works, and
+    # takes a ReduceOp instance (not a member) on the small-message calls too.
     t = torch.ones(3)
     pg.all_reduce(t)
     assert torch.equal(t, torch.full((3,), float(n)))
+    out = torch.zeros(1)
+    pg.reduce_scatter_single(out, torch.arange(float(n)) + r, ReduceOp(ReduceOp.MAX))
+    assert out.item() == r + n - 1
 
 
 def _mismatch_count(ctx: RankContext) -> str:
