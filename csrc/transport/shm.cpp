@@ -363,18 +363,18 @@ void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline)
   timeoutMs_ = std::chrono::duration_cast<std::chrono::milliseconds>(
                    deadline - Clock::now() + std::chrono::microseconds(500))
                    .count();
+  const int slot = static_cast<int>(desc.seq % kDescriptorRing);
   SegmentHeader& own = *segments_[rank_].header;
-  own.desc[desc.seq % kDescriptorRing].desc = desc;
+  own.desc[slot].desc = desc;
+  own.desc[slot].published.store(desc.seq, std::memory_order_release);
   own.arrived.value.store(desc.seq, std::memory_order_release);
+  // Every rank compares every peer's descriptor, so a mismatch fails on all
+  // ranks.
   for (int k = 0; k < worldSize_; ++k) {
     if (k == rank_) continue;
-    const auto& arrived = header(k).arrived.value;
-    waitFor(k, [&] { return arrived.load(std::memory_order_acquire) >= desc.seq; });
-  }
-  // Every rank compares every descriptor, so a mismatch fails on all ranks.
-  for (int k = 0; k < worldSize_; ++k) {
-    const CollectiveDesc& theirs = header(k).desc[desc.seq % kDescriptorRing].desc;
-    const std::string why = mismatch(desc, rank_, theirs, k);
+    const DescriptorSlot& theirs = header(k).desc[slot];
+    waitFor(k, [&] { return theirs.published.load(std::memory_order_acquire) >= desc.seq; });
+    const std::string why = mismatch(desc, rank_, theirs.desc, k);
     PYDDP_CHECK_COMM(why.empty(), why);
   }
 }

@@ -39,7 +39,7 @@ constexpr size_t kCacheLine = 64;
 // would do; 4 leaves room without cost.
 constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
@@ -52,20 +52,27 @@ static_assert(sizeof(Counter) == kCacheLine);
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "cross-process counters must be lock-free (address-free)");
 
-// One descriptor per cache line: a rank rewrites the slot of its next
-// collective while peers may still read the previous one.
+// One descriptor per cache line, with the number of the collective it
+// describes: a rank rewrites the slot of its next collective while peers
+// may still read the previous one, and a waiter polls the line it then
+// reads (one cache miss per peer, where a separate flag costs two).
 struct alignas(kCacheLine) DescriptorSlot {
+  std::atomic<uint64_t> published;  // desc.seq once desc is written; 0 before
   CollectiveDesc desc;
 };
 static_assert(sizeof(DescriptorSlot) == kCacheLine);
+static_assert(offsetof(DescriptorSlot, published) == 0 && offsetof(DescriptorSlot, desc) == 8);
 
 // Synchronisation protocol (all counters start at 0 and only increase):
 //
-// Arrival. To enter collective #seq a rank writes desc[seq % kDescriptorRing],
-//   then stores arrived = seq (release). It proceeds once every peer's
-//   arrived >= seq (acquire), then compares descriptors. Invariant: no rank
-//   passes the arrival of #seq+1 before every rank has left #seq, so a
-//   peer's descriptor for #seq stays untouched while read.
+// Arrival. To enter collective #seq a rank writes the descriptor of slot
+//   desc[seq % kDescriptorRing], then stores the slot's published = seq
+//   (release) and arrived = seq (release; read by failure reports). It
+//   proceeds once every peer's slot has published >= seq (acquire),
+//   comparing each peer's descriptor as soon as it is there. Invariant: no
+//   rank passes the arrival of #seq+1 before every rank has left #seq, so a
+//   peer's descriptor for #seq stays untouched while read, and a slot holds
+//   #seq or #seq - kDescriptorRing while a peer waits on it.
 //
 // Direct rounds (PeerMemory). Rounds are numbered over the life of the
 //   group. In round R a rank writes staging buffer R % 2, stores staged = R
