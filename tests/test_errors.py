@@ -414,15 +414,55 @@ def _destroy_with_pending_work(ctx: RankContext) -> tuple:
     return first, elapsed
 
 
-def _give_up_travels(ctx: RankContext) -> tuple:
+def _give_up_travels(ctx: RankContext, count: int) -> tuple:
     # Rank 1 waits 2 s for rank 0, gives up, and says so; rank 0 arrives
     # later with a 60 s timeout and must fail at once, naming rank 1's reason.
-    pg = _ring_group(ctx, "give-up", datetime.timedelta(seconds=60 if ctx.rank == 0 else 2))
+    # 100_000 elements take the ring; 4 the direct algorithm in one round,
+    # whose arrival carries the staged data: rank 0 finds rank 1's share
+    # there and must still fail.
+    timeout = datetime.timedelta(seconds=60 if ctx.rank == 0 else 2)
+    pg = _ring_group(ctx, f"give-up-{count}", timeout) if count > 4 else _group(
+        ctx, f"give-up-{count}", timeout)
     if ctx.rank == 0:
         time.sleep(4.0)
     start = time.monotonic()
-    message = raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(100_000))
+    message = raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(count))
     return message, time.monotonic() - start
+
+
+def _finish_then_leave(ctx: RankContext) -> str:
+    # Rank 1 arrives first at a one-round all_reduce (its share staged with
+    # its arrival) and is stopped there; rank 0 arrives, finishes and
+    # destroys its group; rank 1, resumed, finds rank 0's share and that rank
+    # 0 left: the collective rank 0 finished is no reason to fail, the next is.
+    pg = _group(ctx, "finish-leave")
+    t = torch.full((4,), float(ctx.rank + 1))
+    if ctx.rank == 0:
+        time.sleep(1.0)
+        pg.all_reduce(t)
+        pg.shutdown()
+        assert torch.equal(t, torch.full((4,), 3.0)), t
+        return ""
+    work = pg.all_reduce(t, async_op=True)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test's timer sends SIGCONT
+    work.wait()
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    return raises(dist.DistBackendError, ".", pg.all_reduce, t)
+
+
+def test_a_rank_that_finished_and_left_fails_its_peers_only_after():
+    pool = Ranks(2)
+    resume = threading.Timer(3.0, os.kill, args=(pool.pid(1), signal.SIGCONT))
+    resume.start()
+    try:
+        _, message1 = pool.run(_finish_then_leave)
+        assert ("rank 0 gave up on collective #2 while rank 1 waited for it in all_reduce #2: "
+                "rank 0 destroyed its process group") in message1, message1
+    finally:
+        resume.cancel()
+        os.kill(pool.pid(1), signal.SIGCONT)
+        pool.close()
 
 
 def test_every_descriptor_field_is_checked(two):
@@ -457,8 +497,9 @@ def test_destroy_fails_running_and_queued_work_quickly(two):
     assert elapsed < 5, elapsed
 
 
-def test_a_rank_that_gives_up_fails_its_peers_at_once(two):
-    (message0, elapsed0), (message1, _) = two.run(_give_up_travels)
+@pytest.mark.parametrize("count", [100_000, 4], ids=["ring", "direct-one-round"])
+def test_a_rank_that_gives_up_fails_its_peers_at_once(two, count):
+    (message0, elapsed0), (message1, _) = two.run(_give_up_travels, count)
     assert "rank 0 did not arrive at all_reduce #1" in message1, message1
     assert "rank 1 gave up on collective #1" in message0, message0
     assert "rank 0 did not arrive" in message0, message0

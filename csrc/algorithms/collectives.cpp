@@ -32,6 +32,29 @@ size_t reducePieceElems(RingLink& link, DataType dtype) {
   return link.pieceBytes() / kernels::partialSize(dtype);
 }
 
+// The rounds of a direct collective, and its arrival. A tensor that fits
+// one round arrives with it (PeerMemory::enterStaged): one meeting instead
+// of two, which is most of a small collective's time. A longer one, or an
+// empty one, arrives before its first round.
+class StagedRounds {
+ public:
+  StagedRounds(const Call& c, PeerMemory& mem, size_t count, size_t chunkElems)
+      : c_(c), mem_(mem), arrivePending_(count > 0 && count <= chunkElems) {
+    if (!arrivePending_) c.transport.enter(c.desc, c.deadline);
+  }
+  // Publishes this rank's staged round; returns once every rank has.
+  void exchange() {
+    if (!arrivePending_) return mem_.exchange();
+    arrivePending_ = false;
+    mem_.enterStaged(c_.desc, c_.deadline);
+  }
+
+ private:
+  const Call& c_;
+  PeerMemory& mem_;
+  bool arrivePending_;
+};
+
 } // namespace
 
 void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
@@ -87,15 +110,15 @@ void directAllReduce(const Call& c, PeerMemory& mem,
   PYDDP_CHECK(chunkElems > 0 || count == 0, "direct all_reduce needs staging memory");
   LocalOps& ops = c.transport.local();
   std::vector<const void*> src(c.worldSize);
-  // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  // every rank arrived with the same call (with its first round if it has one round)
+  StagedRounds rounds(c, mem, count, chunkElems);
   // The tensor moves in chunks that fit the staging buffers, one round each.
   for (size_t begin = 0; begin < count; begin += chunkElems) {
     const size_t n = std::min(chunkElems, count - begin);
     // stage my share of the chunk where every rank can read it
     ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
-    mem.exchange();
+    rounds.exchange();
     // reduce all shares in rank order: the same bits on every rank
     for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
@@ -110,8 +133,8 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || count == 0, "two-shot all_reduce needs staging memory");
   std::vector<const void*> src(n);
-  // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  // every rank arrived with the same call (with its first round if it has one chunk)
+  StagedRounds rounds(c, mem, count, chunkElems);
   // Chunk: what fits a staging buffer, one pair of rounds each. Block b of a
   // chunk (balancedBlock) is reduced by rank b alone, then read by all.
   for (size_t begin = 0; begin < count; begin += chunkElems) {
@@ -119,13 +142,13 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
     const Range mine = schedule::balancedBlock(len, n, r);
     // round 1: stage my share of the chunk where every rank can read it
     ops.copy(mem.stagingBuffer(), at(in, begin, es), len * es);
-    mem.exchange();
+    rounds.exchange();
     // reduce my block of every rank's share in rank order, into the buffer
     // of round 2 (the same bits on every rank)
     for (int k = 0; k < n; ++k) src[k] = at(mem.peerBuffer(k), mine.begin, es);
     ops.reduceN(spec, at(mem.stagingBuffer(), mine.begin, es), src.data(), n, mine.count);
     // round 2: every block is reduced; each rank copies all of them out
-    mem.exchange();
+    rounds.exchange();
     for (int b = 0; b < n; ++b) {
       const Range blk = schedule::balancedBlock(len, n, b);
       ops.copy(at(out, begin + blk.begin, es), at(mem.peerBuffer(b), blk.begin, es),
@@ -346,14 +369,14 @@ void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spe
   PYDDP_CHECK(chunkElems > 0 || count == 0, "direct reduce needs staging memory");
   LocalOps& ops = c.transport.local();
   std::vector<const void*> src(c.worldSize);
-  // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  // every rank arrived with the same call (with its first round if it has one round)
+  StagedRounds rounds(c, mem, count, chunkElems);
   for (size_t begin = 0; begin < count; begin += chunkElems) {
     const size_t n = std::min(chunkElems, count - begin);
     // stage my share of the chunk where the root can read it
     ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
-    mem.exchange();
+    rounds.exchange();
     if (c.rank != root) continue;
     // the root reduces all shares in rank order
     for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);

@@ -87,7 +87,7 @@ CpuExecutor::Hooks CpuExecutor::hooksOf(Transport& transport) {
   return Hooks{[&transport] { transport.flush(); },
                [&transport](const std::string& why) { transport.abandon(why); },
                [&transport] { transport.abort(); },
-               [&transport](const std::string& why) { transport.abandon(why); }};
+               [&transport](const std::string& why) { transport.leave(why); }};
 }
 
 void CpuExecutor::start(Hooks hooks) {

@@ -411,6 +411,11 @@ void CudaIpcTransport::exchange() {
   waitFor(w);
 }
 
+void CudaIpcTransport::enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) {
+  enter(desc, deadline);
+  exchange();
+}
+
 const void* CudaIpcTransport::peerBuffer(int rank) const {
   return staging(rank) + (rounds_ % 2) * stagingBytes_;
 }

@@ -85,6 +85,9 @@ class CudaIpcTransport final : public Transport,
   size_t capacityBytes() const override { return stagingBytes_; }
   void* stagingBuffer() override;
   void exchange() override;
+  // Two meetings: the host arrives, while the staging is the stream's and
+  // may not have run yet.
+  void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
   const void* peerBuffer(int rank) const override;
 
   // The first failure of a device wait, as a message; "" while none. The

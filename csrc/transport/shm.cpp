@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <random>
 #include <sstream>
@@ -289,12 +290,7 @@ void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
     PYDDP_CHECK_COMM(false, "rank ", rank_, ": the process group was destroyed while ", call,
                      " waited for rank ", peer);
   }
-  const SegmentHeader& h = header(peer);
-  if (const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire)) {
-    PYDDP_CHECK_COMM(false, "rank ", peer, " gave up on collective #", failedIn,
-                     " while rank ", rank_, " waited for it in ", call, ": ",
-                     std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes)));
-  }
+  failIfGaveUp(peer, std::numeric_limits<uint64_t>::max());
   PYDDP_CHECK_COMM(peerWasAlive, "rank ", peer, " (pid ", segments_[peer].pid,
                    ") exited; rank ", rank_, " was waiting for it in ", call);
   if (now < deadline_) return;
@@ -312,6 +308,16 @@ void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
   PYDDP_CHECK_COMM(false, call, " timed out after ", timeoutMs_, " ms on rank ",
                    rank_, " waiting for rank ", peer,
                    " (every rank entered the collective)");
+}
+
+void ShmTransport::failIfGaveUp(int peer, uint64_t upTo) const {
+  const SegmentHeader& h = header(peer);
+  const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire);
+  if (failedIn != 0 && failedIn <= upTo) {
+    PYDDP_CHECK_COMM(false, "rank ", peer, " gave up on collective #", failedIn,
+                     " while rank ", rank_, " waited for it in ", currentCall(), ": ",
+                     std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes)));
+  }
 }
 
 template <typename Ready>
@@ -335,13 +341,21 @@ void ShmTransport::waitFor(int peer, Ready&& ready) {
 }
 
 void ShmTransport::abandon(const std::string& why) {
+  giveUp(why, /*onNext=*/false);
+}
+
+void ShmTransport::leave(const std::string& why) {
+  giveUp(why, /*onNext=*/true);
+}
+
+void ShmTransport::giveUp(const std::string& why, bool onNext) {
   if (segments_[rank_].header == nullptr || abandoned_.exchange(true)) return;
   SegmentHeader& own = *segments_[rank_].header;
   const size_t n = std::min(why.size(), kFailureTextBytes - 1);
   std::memcpy(own.failureText, why.data(), n);
   own.failureText[n] = '\0';
   // arrived, not current_: this may run on another thread than enter().
-  const uint64_t seq = own.arrived.value.load(std::memory_order_relaxed);
+  const uint64_t seq = own.arrived.value.load(std::memory_order_relaxed) + (onNext ? 1 : 0);
   own.failed.value.store(std::max<uint64_t>(seq, 1), std::memory_order_release);
 }
 
@@ -476,6 +490,15 @@ void ShmTransport::exchange() {
     if (k == rank_) continue;
     const auto& staged = header(k).staged.value;
     waitFor(k, [&] { return staged.load(std::memory_order_acquire) >= rounds_; });
+  }
+}
+
+void ShmTransport::enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) {
+  ++rounds_;
+  enter(desc, deadline);
+  // The peer's failed line is written only when it gives up: a cache hit.
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k != rank_) failIfGaveUp(k, desc.seq);
   }
 }
 

@@ -39,7 +39,9 @@ constexpr size_t kCacheLine = 64;
 // would do; 4 leaves room without cost.
 constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
-constexpr uint32_t kLayoutVersion = 2;
+// The layout and the protocol below: builds that read the same flags
+// differently (3: an arrival may publish a staged round) do not connect.
+constexpr uint32_t kLayoutVersion = 3;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
@@ -80,15 +82,26 @@ static_assert(offsetof(DescriptorSlot, published) == 0 && offsetof(DescriptorSlo
 //   reads every rank's buffer R % 2. Invariant: a rank writes buffer R % 2
 //   only after seeing every peer at round R-1, and a peer reads round R-2's
 //   buffers before it publishes R-1, so no buffer is overwritten while read.
+//   A collective's first round may be published with its arrival instead
+//   (enterStaged): the rank stages buffer R % 2 before it publishes the
+//   descriptor, so a peer's published >= seq also says it staged round R,
+//   and staged is not stored (the next exchange() stores R+1, which says
+//   both). A peer may give up after it published; a waiter reads its failed
+//   (acquire) once the descriptors agree and fails if failed is in 1..seq,
+//   so a rank that comes late does not take the data of a collective its
+//   peers gave up on, while a peer that finished #seq and left is no reason
+//   to fail it.
 //
-// Failure. A rank that gives up on collective #seq (its newest arrival)
-//   writes failureText, then stores failed = seq (release); only the first
-//   reason is written (abandon() may run on two threads at once: a failing
-//   collective and the group's destruction or an interrupt). A waiter that
-//   sees the rank it waits on with failed != 0 (acquire) reads the text and
-//   fails too, so an error travels around the ring instead of every rank
-//   waiting out its deadline. A rank that gave up and then aborts its own
-//   waits reports its own failureText.
+// Failure. A rank that gives up on collective #seq writes failureText, then
+//   stores failed = seq (release): seq is its newest arrival when it gives
+//   up inside a collective (abandon), the one after when it leaves between
+//   collectives (leave, at teardown). Only the first reason is written
+//   (abandon() may run on two threads at once: a failing collective and the
+//   group's destruction or an interrupt). A waiter that sees the rank it
+//   waits on with failed != 0 (acquire) reads the text and fails too, so an
+//   error travels around the ring instead of every rank waiting out its
+//   deadline. A rank that gave up and then aborts its own waits reports its
+//   own failureText.
 //
 // Ring link (this rank -> rank+1). Pieces are numbered over the life of the
 //   group. To send piece k the sender waits until the receiver's
@@ -155,6 +168,7 @@ class ShmTransport final : public Transport,
   LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
   void abandon(const std::string& why) override;
+  void leave(const std::string& why) override;
   // Also fails the pending point-to-point operations (messages()), with
   // the reason this rank gave up if it did.
   void abort() override;
@@ -187,6 +201,7 @@ class ShmTransport final : public Transport,
   size_t capacityBytes() const override { return directBytes_; }
   void* stagingBuffer() override;
   void exchange() override;
+  void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
   const void* peerBuffer(int rank) const override;
 
  private:
@@ -219,6 +234,10 @@ class ShmTransport final : public Transport,
   // flag was found unset), or the deadline passed. The message names the
   // ranks to blame.
   void failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const;
+  // Fails with the peer's reason if it gave up on a collective up to #upTo.
+  void failIfGaveUp(int peer, uint64_t upTo) const;
+  // On the newest collective this rank entered, or on the next one.
+  void giveUp(const std::string& why, bool onNext);
   bool peerAlive(int rank) const;
   // "all_reduce #3": the collective waits are in, for messages.
   std::string currentCall() const;
@@ -245,7 +264,7 @@ class ShmTransport final : public Transport,
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
-  uint64_t rounds_ = 0;    // mirrors our staged counter
+  uint64_t rounds_ = 0;    // direct rounds staged (staged says those of exchange())
   CollectiveDesc current_;
   Clock::time_point deadline_;
   int64_t timeoutMs_ = 0;  // of the current collective (the group's, or its call's)

@@ -79,10 +79,11 @@ class LocalOps {
 
 // Memory of every rank mapped into this process, for direct (one-shot and
 // two-shot) algorithms, used in rounds: a rank writes its data to
-// stagingBuffer(), calls exchange(), and then reads every rank's data of
-// that round through peerBuffer() until its next exchange(). Between two
-// exchanges, stagingBuffer() is already the next round's buffer, which no
-// peer reads until that next exchange.
+// stagingBuffer(), calls exchange() (or enterStaged(), for a first round
+// staged before the collective arrived), and then reads every rank's data of
+// that round through peerBuffer() until its next round. Between two rounds,
+// stagingBuffer() is already the next round's buffer, which no peer reads
+// until that round.
 class PeerMemory {
  public:
   virtual ~PeerMemory() = default;
@@ -90,6 +91,12 @@ class PeerMemory {
   virtual void* stagingBuffer() = 0;
   // Publishes this rank's staged data; returns once every rank has.
   virtual void exchange() = 0;
+  // Transport::enter() and the collective's first exchange() in one
+  // meeting: publishes this rank's descriptor with its staged data and
+  // returns once every rank has published the same descriptor and its data.
+  // Fails, as enter() does, on a mismatch, and on a peer that gave up on the
+  // collective after it staged.
+  virtual void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
   virtual const void* peerBuffer(int rank) const = 0;
 };
 
@@ -189,6 +196,10 @@ class Transport {
   // at once with `why` instead of at their deadline. The first reason
   // stays; safe to call from any thread.
   virtual void abandon(const std::string& why) = 0;
+  // This rank leaves the group between collectives (teardown): peers that
+  // wait for it in a collective it did not enter fail at once with `why`;
+  // a peer still finishing one this rank has done its part of does not.
+  virtual void leave(const std::string& why) { abandon(why); }
   // Makes every current and later wait of this rank fail (group teardown).
   // Safe to call from any thread.
   virtual void abort() = 0;
