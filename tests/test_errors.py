@@ -345,6 +345,29 @@ def _mismatch_fields(ctx: RankContext) -> list:
     return messages
 
 
+def _gather_algo_by_size(ctx: RankContext) -> list:
+    """Rank 0 picks the algorithm by size, rank 1 always takes the ring: they
+    agree on an all_gather or reduce_scatter that stages more than
+    direct_max_bytes per rank, and differ on a small one."""
+    n, r = ctx.world_size, ctx.rank
+    calls = [
+        ("all_gather", lambda pg, k: pg.all_gather_single(torch.empty(n * k), torch.ones(k))),
+        ("reduce_scatter", lambda pg, k: pg.reduce_scatter_single(torch.empty(k),
+                                                                  torch.ones(n * k))),
+    ]
+    messages = []
+    for name, call in calls:
+        options = pyddp.RingOptions()
+        options.algo = pyddp.Algo.AUTO if r == 0 else pyddp.Algo.RING
+        pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(f"by-size-{name}"), n),
+                             rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
+                             options=options)
+        ctx.groups[f"by-size-{name}"] = pg
+        call(pg, options.direct_max_bytes)  # 4 bytes per element: the ring on both ranks
+        messages.append(raises(dist.DistBackendError, "differs between ranks", call, pg, 4))
+    return messages
+
+
 def _mismatched_geometry(ctx: RankContext) -> str:
     options = pyddp.RingOptions()
     options.slot_bytes = 128 * (ctx.rank + 1)
@@ -451,18 +474,24 @@ def _finish_then_leave(ctx: RankContext) -> str:
     return raises(dist.DistBackendError, ".", pg.all_reduce, t)
 
 
-def test_a_rank_that_finished_and_left_fails_its_peers_only_after():
+def _with_rank_1_resumed(after: float, fn) -> list:
+    """fn's results on 2 fresh ranks; rank 1 may stop itself (SIGSTOP) and is
+    resumed `after` seconds from the start."""
     pool = Ranks(2)
-    resume = threading.Timer(3.0, os.kill, args=(pool.pid(1), signal.SIGCONT))
+    resume = threading.Timer(after, os.kill, args=(pool.pid(1), signal.SIGCONT))
     resume.start()
     try:
-        _, message1 = pool.run(_finish_then_leave)
-        assert ("rank 0 gave up on collective #2 while rank 1 waited for it in all_reduce #2: "
-                "rank 0 destroyed its process group") in message1, message1
+        return pool.run(fn)
     finally:
         resume.cancel()
         os.kill(pool.pid(1), signal.SIGCONT)
         pool.close()
+
+
+def test_a_rank_that_finished_and_left_fails_its_peers_only_after():
+    _, message1 = _with_rank_1_resumed(3.0, _finish_then_leave)
+    assert ("rank 0 gave up on collective #2 while rank 1 waited for it in all_reduce #2: "
+            "rank 0 destroyed its process group") in message1, message1
 
 
 def test_every_descriptor_field_is_checked(two):
@@ -472,6 +501,12 @@ def test_every_descriptor_field_is_checked(two):
         assert "op=SUM" in op and "op=MAX" in op, op
         assert "src=0" in root and "src=1" in root, root
         assert "algo=direct" in algo and "algo=ring" in algo, algo
+
+
+def test_small_all_gather_and_reduce_scatter_take_the_direct_algorithm(two):
+    for messages in two.run(_gather_algo_by_size):
+        for message in messages:
+            assert "algo=direct" in message and "algo=ring" in message, message
 
 
 def test_ranks_with_different_geometry_refuse_to_connect(two):
@@ -561,15 +596,7 @@ def _stall_inside(ctx: RankContext) -> str:
 
 
 def test_a_peer_stalled_inside_the_collective_is_named():
-    pool = Ranks(2)
-    resume = threading.Timer(6.0, os.kill, args=(pool.pid(1), signal.SIGCONT))
-    resume.start()
-    try:
-        message0, message1 = pool.run(_stall_inside)
-        assert ("all_reduce #1 timed out after 2000 ms on rank 0 waiting for rank 1 "
-                "(every rank entered the collective)") in message0, message0
-        assert "rank 0 gave up on collective #1" in message1, message1
-    finally:
-        resume.cancel()
-        os.kill(pool.pid(1), signal.SIGCONT)
-        pool.close()
+    message0, message1 = _with_rank_1_resumed(6.0, _stall_inside)
+    assert ("all_reduce #1 timed out after 2000 ms on rank 0 waiting for rank 1 "
+            "(every rank entered the collective)") in message0, message0
+    assert "rank 0 gave up on collective #1" in message1, message1

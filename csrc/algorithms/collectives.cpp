@@ -185,6 +185,30 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   }
 }
 
+void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void* in,
+                     const std::vector<void*>& outBlocks, size_t blockCount) {
+  const size_t es = elementSize(dtype);
+  const size_t chunkElems = mem.capacityBytes() / es;
+  PYDDP_CHECK(chunkElems > 0 || blockCount == 0, "direct all_gather needs staging memory");
+  LocalOps& ops = c.transport.local();
+  // every rank arrived with the same call (with its first round if it has one round)
+  StagedRounds rounds(c, mem, blockCount, chunkElems);
+  // Each block moves in chunks that fit the staging buffers, one round each.
+  for (size_t begin = 0; begin < blockCount; begin += chunkElems) {
+    const size_t n = std::min(chunkElems, blockCount - begin);
+    // stage my block's chunk where every rank can read it
+    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    // every rank staged it
+    rounds.exchange();
+    // every peer's chunk into its block
+    for (int k = 0; k < c.worldSize; ++k) {
+      if (k != c.rank) ops.copy(at(outBlocks[k], begin, es), mem.peerBuffer(k), n * es);
+    }
+  }
+  // my own block needs no transport (copied last: the peers need not wait for it)
+  ops.copy(outBlocks[c.rank], in, blockCount * es);
+}
+
 void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
                        const std::vector<const void*>& inBlocks, void* out,
                        size_t blockCount) {
@@ -213,6 +237,38 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
     const int b = schedule::recvBlock(r, n - 2, n, -1);
     link.recvReduceCopy(spec, hopOfStep(n - 2), at(inBlocks[b], pc.begin, es),
                         at(out, pc.begin, es), pc.count);
+  }
+}
+
+void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
+                         const std::vector<const void*>& inBlocks, void* out,
+                         size_t blockCount) {
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  // Chunk: the same stretch of every block, as long as n of them fit a
+  // staging buffer; block b's stretch is staged at b * len (all but my own,
+  // which only I read, from my input).
+  const size_t chunkElems = mem.capacityBytes() / es / n;
+  PYDDP_CHECK(chunkElems > 0 || blockCount == 0, "direct reduce_scatter needs staging memory");
+  LocalOps& ops = c.transport.local();
+  std::vector<const void*> src(n);
+  // every rank arrived with the same call (with its first round if it has one round)
+  StagedRounds rounds(c, mem, blockCount, chunkElems);
+  for (size_t begin = 0; begin < blockCount; begin += chunkElems) {
+    const size_t len = std::min(chunkElems, blockCount - begin);
+    // stage this stretch of every other block where its rank can read it
+    for (int b = 0; b < n; ++b) {
+      if (b != r) {
+        ops.copy(at(mem.stagingBuffer(), b * len, es), at(inBlocks[b], begin, es), len * es);
+      }
+    }
+    // every rank staged it
+    rounds.exchange();
+    // reduce my block's stretch of every rank in rank order
+    for (int k = 0; k < n; ++k) {
+      src[k] = k == r ? at(inBlocks[r], begin, es) : at(mem.peerBuffer(k), r * len, es);
+    }
+    ops.reduceN(spec, at(out, begin, es), src.data(), n, len);
   }
 }
 

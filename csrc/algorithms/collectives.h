@@ -37,10 +37,20 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
 // may equal in.
 void ringAllGather(const Call& c, DataType dtype, const void* in,
                    const std::vector<void*>& outBlocks, size_t blockCount);
+// The same from every rank's staged block, in chunks of
+// PeerMemory::capacityBytes(): one meeting for a block that fits one.
+void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void* in,
+                     const std::vector<void*>& outBlocks, size_t blockCount);
 // out = reduce over ranks of inBlocks[rank] (blockCount elements each).
 void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
                        const std::vector<const void*>& inBlocks, void* out,
                        size_t blockCount);
+// The same from every rank's staged blocks, reduced in rank order, in
+// chunks of every block that fill PeerMemory::capacityBytes(): one meeting
+// for blocks that fit one.
+void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
+                         const std::vector<const void*>& inBlocks, void* out,
+                         size_t blockCount);
 // buf of rank `root` to buf of every rank, along the chain root, root+1, ...
 void chainBroadcast(const Call& c, void* buf, size_t bytes, int root);
 // Returns once every rank has entered.

@@ -161,6 +161,20 @@ Algo RingEngine::allReduceAlgo(size_t bytes) const {
   return transport_->peerMemory() ? options_.allReduceAlgo(bytes) : Algo::Ring;
 }
 
+Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
+  return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
+}
+
+void RingEngine::allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype,
+                                 const void* in, const std::vector<void*>& blocks,
+                                 size_t count) {
+  if (algo == Algo::Direct) {
+    algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
+  } else {
+    algorithms::ringAllGather(c, dtype, in, blocks, count);
+  }
+}
+
 WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) {
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
@@ -242,14 +256,16 @@ WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, D
                                   size_t count, std::vector<at::Tensor> outputs,
                                   std::function<void()> finish, const CallOptions& call) {
   const size_t es = elementSize(dtype);
+  const Algo algo = gatherAlgo(count * es);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), std::move(outputs), {in, out},
+      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo),
+      std::move(outputs), {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<char*>(out.data_ptr()) + b * count * es;
         }
-        algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
+        allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
       },
       std::move(finish), call);
 }
@@ -261,12 +277,14 @@ WorkPtr RingEngine::allGatherList(const std::vector<at::Tensor>& outputs,
   const std::vector<at::Tensor> outs = denseAll(outputs);
   const size_t count = input.numel();
   const at::Tensor in = dense(input);
+  const Algo algo = gatherAlgo(count * elementSize(dtype));
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype), outputs, withInput(outs, in),
+      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo), outputs,
+      withInput(outs, in),
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
-        algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
+        allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
       },
       [=] {
         for (size_t b = 0; b < outputs.size(); ++b) copyBack(outputs[b], outs[b]);
@@ -343,15 +361,21 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
                                       std::vector<at::Tensor> outputs,
                                       std::function<void()> finish, const CallOptions& call) {
   const size_t es = elementSize(s.dtype);
+  const Algo algo = gatherAlgo(size_ * count * es);
   return submit(
-      makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op), std::move(outputs),
-      {in, out},
+      makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1, algo),
+      std::move(outputs), {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<const void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
         }
-        algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
+        if (algo == Algo::Direct) {
+          algorithms::directReduceScatter(c, *transport_->peerMemory(), s, blocks,
+                                          out.data_ptr(), count);
+        } else {
+          algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
+        }
       },
       std::move(finish), call);
 }

@@ -100,6 +100,11 @@ Algo RingOptions::allReduceAlgo(size_t bytes) const {
   return Algo::Ring;
 }
 
+Algo RingOptions::gatherAlgo(size_t bytes) const {
+  if (algo == Algo::Ring || algo == Algo::Direct) return algo;
+  return directMaxBytes > 0 && bytes <= directMaxBytes ? Algo::Direct : Algo::Ring;
+}
+
 std::string hostIdOverride() {
   return envOr(kHostIdVar, "");
 }

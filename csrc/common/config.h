@@ -39,6 +39,11 @@ struct RingOptions {
   size_t stagingBytes() const;
   // The all-reduce algorithm for a message of `bytes` (never Auto).
   Algo allReduceAlgo(size_t bytes) const;
+  // The all-gather and reduce-scatter algorithm for `bytes` staged per rank
+  // (never Auto): Ring and Direct as set; otherwise Direct up to
+  // directMaxBytes (one round, one meeting) and Ring above (which overlaps
+  // its copies, piece by piece).
+  Algo gatherAlgo(size_t bytes) const;
 };
 
 // Measured with `PYDDP_SLOT_BYTES=... PYDDP_NUM_SLOTS=... python -m pyddp.bench
