@@ -133,7 +133,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("MIN", RedOp::Min)
       .value("MAX", RedOp::Max);
 
-  py::enum_<Algo>(m, "Algo", "How an all-reduce runs: by size (AUTO), or forced.")
+  py::enum_<Algo>(m, "Algo",
+                  "How an all-reduce runs: by size (AUTO), or forced; RING and DIRECT "
+                  "force all-gather and reduce-scatter too.")
       .value("AUTO", Algo::Auto)
       .value("RING", Algo::Ring)
       .value("DIRECT", Algo::Direct)
