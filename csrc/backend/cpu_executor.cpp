@@ -11,23 +11,28 @@ namespace {
 
 // Marks the queue busy for one job, whatever the job throws. Only a queued
 // job waits for `busy` to clear: waking the idle worker after every inline
-// call would cost two context switches per small collective.
+// call would cost two context switches per small collective. A workless
+// call's synchronous turn (`syncTicket`, nonzero) ends with it, under the
+// same lock.
 template <typename Queue>
 class BusyScope {
  public:
-  BusyScope(std::unique_lock<std::mutex>& lock, Queue& queue) : lock_(lock), queue_(queue) {
+  BusyScope(std::unique_lock<std::mutex>& lock, Queue& queue, uint64_t syncTicket = 0)
+      : lock_(lock), queue_(queue), syncTicket_(syncTicket) {
     queue_.busy = true;
     lock_.unlock();
   }
   ~BusyScope() {
     lock_.lock();
     queue_.busy = false;
+    if (syncTicket_ != 0 && queue_.syncTicket == syncTicket_) queue_.syncTicket = 0;
     if (!queue_.jobs.empty()) queue_.cv.notify_all();
   }
 
  private:
   std::unique_lock<std::mutex>& lock_;
   Queue& queue_;
+  const uint64_t syncTicket_;
 };
 
 // Workers stopped from one of their own future callbacks, until another
@@ -160,16 +165,18 @@ void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptions& call) {
-  std::unique_lock<std::mutex> lock(queue_->mu);
-  PYDDP_CHECK(started_, "rank ", rank_, ": ", toString(c.desc.kind),
+bool CpuExecutor::runsHere(const CallOptions& call, bool onWorker) const {
+  return !call.asyncOp && (onWorker || (queue_->jobs.empty() && !queue_->busy));
+}
+
+uint64_t CpuExecutor::admit(CollectiveKind kind, const CallOptions& call, bool onWorker) {
+  PYDDP_CHECK(started_, "rank ", rank_, ": ", toString(kind),
               " before the process group connected");
-  PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(c.desc.kind),
+  PYDDP_CHECK(!queue_->stop, "rank ", rank_, ": ", toString(kind),
               " on a process group that was destroyed");
-  const bool onWorker = std::this_thread::get_id() == queue_->workerId;
-  uint64_t ticket = 0;  // this call's turn as the synchronous caller; 0: none
+  uint64_t ticket = 0;
   if (!call.asyncOp && !onWorker) {
-    PYDDP_CHECK(queue_->syncTicket == 0, "rank ", rank_, ": ", toString(c.desc.kind),
+    PYDDP_CHECK(queue_->syncTicket == 0, "rank ", rank_, ": ", toString(kind),
                 " refused: another thread is inside a synchronous collective on this process "
                 "group. A group is used from one thread at a time (as in torch.distributed): "
                 "collectives of two threads would pair up across ranks in whatever order the "
@@ -177,14 +184,27 @@ c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptio
     ticket = queue_->syncTicket = queue_->nextTicket++;
   }
   ++issued_;  // not before the refusal: a refused call issues nothing
-  // A synchronous call runs here, on the caller's thread, when nothing is
-  // ahead of it (keeping call order), or when it comes from a future
-  // callback (on the worker, inside the job that just finished its
-  // transfer): queueing that one would deadlock.
-  const bool here = !call.asyncOp && (onWorker || (queue_->jobs.empty() && !queue_->busy));
+  return ticket;
+}
+
+bool CpuExecutor::runNow(const CollectiveDesc& desc, const CallOptions& call,
+                         TransferRef transfer, FinishRef finish) {
+  if (!call.workless) return false;
+  std::unique_lock<std::mutex> lock(queue_->mu);
+  const bool onWorker = std::this_thread::get_id() == queue_->workerId;
+  if (!runsHere(call, onWorker)) return false;
+  const uint64_t ticket = admit(desc.kind, call, onWorker);
+  runWorkless(lock, onWorker, ticket, desc, call.timeout, transfer, finish);
+  return true;
+}
+
+c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptions& call) {
+  std::unique_lock<std::mutex> lock(queue_->mu);
+  const bool onWorker = std::this_thread::get_id() == queue_->workerId;
+  const uint64_t ticket = admit(c.desc.kind, call, onWorker);
+  const bool here = runsHere(call, onWorker);
   if (here && call.workless) {
-    Job job{std::move(c), nullptr, ticket};
-    runHere(lock, job, onWorker);
+    runWorkless(lock, onWorker, ticket, c.desc, c.timeout, c.transfer, c.finish);
     return {};
   }
   // An interrupted waiter gives up on the group: the running collective
@@ -232,44 +252,65 @@ void CpuExecutor::runHere(std::unique_lock<std::mutex>& lock, Job& job, bool onW
   }
 }
 
+void CpuExecutor::runWorkless(std::unique_lock<std::mutex>& lock, bool onWorker,
+                              uint64_t ticket, CollectiveDesc desc,
+                              std::chrono::milliseconds timeout, TransferRef transfer,
+                              FinishRef finish) {
+  std::exception_ptr error;
+  if (onWorker) {
+    // As in runHere; a call from the worker has no synchronous turn.
+    lock.unlock();
+    error = runCollective(desc, timeout, transfer, finish, nullptr);
+  } else {
+    BusyScope busy(lock, *queue_, ticket);
+    error = runCollective(desc, timeout, transfer, finish, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 void CpuExecutor::endSync(const Job& job) {
   if (job.syncTicket == 0) return;
   std::lock_guard<std::mutex> lock(queue_->mu);
   if (queue_->syncTicket == job.syncTicket) queue_->syncTicket = 0;
 }
 
-void CpuExecutor::run(Job& job) {
-  Collective& c = job.collective;
-  c.desc.seq = nextSeq_++;
-  if (job.work) job.work->started(c.desc.seq);
+std::exception_ptr CpuExecutor::runCollective(CollectiveDesc& desc,
+                                              std::chrono::milliseconds timeout,
+                                              TransferRef transfer, FinishRef finish,
+                                              CpuWork* work) {
+  desc.seq = nextSeq_++;
+  if (work) work->started(desc.seq);
   if (brokenBy_.empty() && queue_->hasGivenUp.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(queue_->mu);
     brokenBy_ = queue_->gaveUp;
   }
-  std::exception_ptr error;
   try {
-    PYDDP_CHECK_COMM(brokenBy_.empty(), "rank ", rank_, ": ", toString(c.desc.kind), " #",
-                     c.desc.seq, " refused: an earlier collective failed and left the "
+    PYDDP_CHECK_COMM(brokenBy_.empty(), "rank ", rank_, ": ", toString(desc.kind), " #",
+                     desc.seq, " refused: an earlier collective failed and left the "
                      "process group unusable (", brokenBy_, "); destroy it and create a new one");
     try {
-      const auto timeout =
-          c.timeout.count() > 0 ? c.timeout : std::chrono::milliseconds(timeoutMs_);
-      c.transfer(c.desc, Clock::now() + timeout);
+      const auto bound = timeout.count() > 0 ? timeout : std::chrono::milliseconds(timeoutMs_);
+      transfer(desc, Clock::now() + bound);
       if (queue_->hooks.flush) queue_->hooks.flush();
     } catch (const std::exception& e) {
       brokenBy_ = messageOf(e);
       queue_->hooks.abandon(brokenBy_);
       throw;
     }
-    c.finish();
+    finish();
   } catch (const std::exception&) {
-    error = std::current_exception();
+    return std::current_exception();
   }
+  return nullptr;
+}
+
+void CpuExecutor::run(Job& job) {
+  Collective& c = job.collective;
+  const std::exception_ptr error =
+      runCollective(c.desc, c.timeout, c.transfer, c.finish, job.work.get());
   // Before completing: the Work's callbacks may destroy this executor.
   endSync(job);
-  if (!job.work) {
-    if (error) std::rethrow_exception(error);
-  } else if (error) {
+  if (error) {
     job.work->fail(error);
   } else {
     job.work->complete();

@@ -56,6 +56,8 @@ class CpuExecutor final : public Executor {
   static Hooks hooksOf(Transport& transport);
 
   c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) override;
+  bool runNow(const CollectiveDesc& desc, const CallOptions& call, TransferRef transfer,
+              FinishRef finish) override;
   // Stops the worker and makes a running collective fail within
   // milliseconds (the transport aborts its waits); queued collectives fail;
   // then marks this rank as having given up, so peers waiting on it fail at
@@ -66,7 +68,6 @@ class CpuExecutor final : public Executor {
  private:
   struct Job {
     Collective collective;
-    // Null for a workless call run at once (run() throws its error).
     c10::intrusive_ptr<CpuWork> work;
     // A synchronous call of a thread other than the worker: its turn
     // (Queue::syncTicket while in flight); 0 otherwise.
@@ -99,9 +100,26 @@ class CpuExecutor final : public Executor {
     bool exited = false;  // mu; the worker left its loop
   };
 
+  // Whether a call runs at once on the calling thread (`lock` held): a
+  // synchronous one with nothing ahead of it (keeping call order), or one
+  // from a future callback (on the worker, inside the job that just
+  // finished its transfer): queueing that one would deadlock.
+  bool runsHere(const CallOptions& call, bool onWorker) const;
+  // Refuses a call the group cannot take (not connected, destroyed, another
+  // thread's synchronous call in flight), else counts it as issued; returns
+  // its turn as the synchronous caller (0: none). `lock` holds the queue.
+  uint64_t admit(CollectiveKind kind, const CallOptions& call, bool onWorker);
+  // Runs one collective as the next in sequence; returns its error.
+  std::exception_ptr runCollective(CollectiveDesc& desc, std::chrono::milliseconds timeout,
+                                   TransferRef transfer, FinishRef finish, CpuWork* work);
   void run(Job& job);
   // Runs a synchronous job on the calling thread (`lock` holds the queue).
   void runHere(std::unique_lock<std::mutex>& lock, Job& job, bool onWorker);
+  // Runs a workless call on the calling thread (`lock` holds the queue,
+  // `ticket` is its turn); throws its error.
+  void runWorkless(std::unique_lock<std::mutex>& lock, bool onWorker, uint64_t ticket,
+                   CollectiveDesc desc, std::chrono::milliseconds timeout, TransferRef transfer,
+                   FinishRef finish);
   // The job's synchronous call is over: another thread may make one.
   void endSync(const Job& job);
   static void workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor);

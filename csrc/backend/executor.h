@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -56,10 +57,23 @@ struct CallOptions {
 
 class Executor {
  public:
+  using TransferRef =
+      c10::function_ref<void(const CollectiveDesc& desc, Clock::time_point deadline)>;
+  using FinishRef = c10::function_ref<void()>;
+
   virtual ~Executor() = default;
   // Runs or queues c; returns its Work at once when call.asyncOp, else once
   // done (or null, when call.workless allows it).
   virtual c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) = 0;
+  // The small-message path: a workless synchronous call that this executor
+  // would run at once on the caller's thread runs here, borrowing its
+  // transfer and finish for the call's length, so nothing is copied into a
+  // Collective or allocated; true once it ran (its error thrown). False,
+  // having done nothing, when the collective must go through submit().
+  virtual bool runNow(const CollectiveDesc& /*desc*/, const CallOptions& /*call*/,
+                      TransferRef /*transfer*/, FinishRef /*finish*/) {
+    return false;
+  }
   // Fails queued collectives and ends a running one within milliseconds.
   // Idempotent.
   virtual void shutdown() = 0;

@@ -128,16 +128,22 @@ void RingEngine::shutdown() {
   if (transport_) transport_->abort();
 }
 
-WorkPtr RingEngine::submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
-                           std::vector<at::Tensor> uses, Transfer transfer,
-                           std::function<void()> finish, const CallOptions& call) {
+template <typename Transfer, typename Finish>
+WorkPtr RingEngine::submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
+                           c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
+                           const CallOptions& call) {
+  const auto borrowed = [&](const CollectiveDesc& d, Clock::time_point deadline) {
+    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
+  };
+  if (executor_->runNow(desc, call, borrowed, finish)) return {};
   return executor_->submit(
-      Collective{desc, std::move(outputs), std::move(uses),
-                 [this, transfer = std::move(transfer)](const CollectiveDesc& d,
-                                                        Clock::time_point deadline) {
+      Collective{desc, outputs.vec(), uses.vec(),
+                 [this, transfer = std::forward<Transfer>(transfer)](const CollectiveDesc& d,
+                                                                     Clock::time_point deadline) {
                    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
                  },
-                 std::move(finish), desc.kind == CollectiveKind::Barrier, call.timeout},
+                 std::forward<Finish>(finish), desc.kind == CollectiveKind::Barrier,
+                 call.timeout},
       call);
 }
 
@@ -183,13 +189,14 @@ WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOpti
   return allReduceFlat(buf, spec(dtype, op), {tensor}, [=] { copyBack(tensor, buf); }, call);
 }
 
+template <typename Finish>
 WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSpec& s,
-                                  std::vector<at::Tensor> outputs, std::function<void()> finish,
+                                  c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
                                   const CallOptions& call) {
   const size_t count = buf.numel();
   const Algo algo = allReduceAlgo(count * elementSize(s.dtype));
   return submit(
-      makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1, algo), std::move(outputs),
+      makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1, algo), outputs,
       {buf},
       [=, this](const algorithms::Call& c) {
         void* data = buf.data_ptr();
@@ -204,7 +211,7 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
             algorithms::ringAllReduce(c, s, data, data, count);
         }
       },
-      std::move(finish), call);
+      std::forward<Finish>(finish), call);
 }
 
 WorkPtr RingEngine::reduceTo(const at::Tensor& tensor, RedOp op, int root,
@@ -252,14 +259,15 @@ WorkPtr RingEngine::allGatherSingle(const at::Tensor& output, const at::Tensor& 
   return allGatherFlat(in, out, dtype, count, {output}, [=] { copyBack(output, out); }, call);
 }
 
+template <typename Finish>
 WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, DataType dtype,
-                                  size_t count, std::vector<at::Tensor> outputs,
-                                  std::function<void()> finish, const CallOptions& call) {
+                                  size_t count, c10::ArrayRef<at::Tensor> outputs,
+                                  Finish&& finish, const CallOptions& call) {
   const size_t es = elementSize(dtype);
   const Algo algo = gatherAlgo(count * es);
   return submit(
       makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo),
-      std::move(outputs), {in, out},
+      outputs, {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -267,7 +275,7 @@ WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, D
         }
         allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
       },
-      std::move(finish), call);
+      std::forward<Finish>(finish), call);
 }
 
 WorkPtr RingEngine::allGatherList(const std::vector<at::Tensor>& outputs,
@@ -356,15 +364,16 @@ WorkPtr RingEngine::reduceScatterSingle(const at::Tensor& output, const at::Tens
                            [=] { copyBack(output, out); }, call);
 }
 
+template <typename Finish>
 WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& out,
                                       const kernels::ReduceSpec& s, size_t count,
-                                      std::vector<at::Tensor> outputs,
-                                      std::function<void()> finish, const CallOptions& call) {
+                                      c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
+                                      const CallOptions& call) {
   const size_t es = elementSize(s.dtype);
   const Algo algo = gatherAlgo(size_ * count * es);
   return submit(
       makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1, algo),
-      std::move(outputs), {in, out},
+      outputs, {in, out},
       [=, this](const algorithms::Call& c) {
         std::vector<const void*> blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -377,7 +386,7 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
           algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
         }
       },
-      std::move(finish), call);
+      std::forward<Finish>(finish), call);
 }
 
 WorkPtr RingEngine::barrierAll(const CallOptions& call) {

@@ -93,22 +93,28 @@ class RingEngine final : public Engine {
   const Executor& executor() const override { return *executor_; }
 
  private:
-  using Transfer = std::function<void(const algorithms::Call& call)>;
-  // Hands a collective to the executor; `transfer` runs the algorithm.
-  WorkPtr submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
-                 std::vector<at::Tensor> uses, Transfer transfer, std::function<void()> finish,
+  // Hands a collective to the executor: `transfer(const algorithms::Call&)`
+  // runs the algorithm, `finish()` the local work after it. A call the
+  // executor runs at once borrows both and the tensors (Executor::runNow: no
+  // allocation on the small-message path); a queued one takes copies.
+  template <typename Transfer, typename Finish>
+  WorkPtr submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
+                 c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
                  const CallOptions& call);
   // The collectives on one flat buffer that the plain and the coalesced
   // calls share; `finish` copies the result out.
+  template <typename Finish>
   WorkPtr allReduceFlat(const at::Tensor& buf, const kernels::ReduceSpec& s,
-                        std::vector<at::Tensor> outputs, std::function<void()> finish,
+                        c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
                         const CallOptions& call);
+  template <typename Finish>
   WorkPtr allGatherFlat(const at::Tensor& in, const at::Tensor& out, DataType dtype,
-                        size_t count, std::vector<at::Tensor> outputs,
-                        std::function<void()> finish, const CallOptions& call);
+                        size_t count, c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
+                        const CallOptions& call);
+  template <typename Finish>
   WorkPtr reduceScatterFlat(const at::Tensor& in, const at::Tensor& out,
                             const kernels::ReduceSpec& s, size_t count,
-                            std::vector<at::Tensor> outputs, std::function<void()> finish,
+                            c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
                             const CallOptions& call);
   // Starts the executor for device_ once transport_ is connected.
   void startExecutor();
