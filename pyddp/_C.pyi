@@ -1,7 +1,7 @@
 """Types of pyddp's C++ core (csrc/bindings.cpp). Use the pyddp package, not this module."""
 
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._C._distributed_c10d import Backend, Store, Work
@@ -81,6 +81,10 @@ class Engine(Backend):
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
     def recv(self, tensor: torch.Tensor, src: int, tag: int, async_op: bool,
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
+    def direct_entries(self) -> Dict[str, Callable[..., None]]:
+        """Synchronous, positional-only entries for CPU tensors, op as int(RedOp):
+        all_reduce(tensor, op), all_gather_single(output, input),
+        reduce_scatter_single(output, input, op), broadcast(tensor, src), barrier()."""
     def shutdown(self) -> None: ...
 
 class RingEngine(Engine):

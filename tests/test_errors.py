@@ -186,6 +186,37 @@ def test_cuda_tensor_on_shm_backend_is_refused():
         pg.shutdown()
 
 
+def test_the_direct_entries_refuse_wrong_arguments_and_outlive_their_group():
+    """The CPU engine's direct entries (what ProcessGroup's synchronous small-message
+    calls go through) check what the Python layer does not: their arguments' number and
+    kinds, and the op's value; a group destroyed under them refuses their calls."""
+    pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    now = pg._cpu_engine.direct_entries()
+    t = torch.arange(4.0)
+    with pytest.raises(TypeError, match=r"all_reduce takes 2 positional arguments \(1 given\)"):
+        now["all_reduce"](t)
+    with pytest.raises(TypeError, match="all_reduce: expected a torch.Tensor, got list"):
+        now["all_reduce"]([1.0], 0)
+    with pytest.raises(ValueError, match="all_reduce: 9 is not a RedOp's value"):
+        now["all_reduce"](t, 9)
+    with pytest.raises(TypeError, match="keyword arguments"):
+        now["all_reduce"](t, op=0)
+    with pytest.raises(TypeError, match="integer"):
+        now["broadcast"](t, "0")
+    with pytest.raises(TypeError, match=r"barrier takes 0 positional arguments \(1 given\)"):
+        now["barrier"](t)
+    # None of those reached the group: its collectives run, here through the entries.
+    out = torch.empty(4)
+    assert now["all_gather_single"](out, t) is None
+    torch.testing.assert_close(out, t, rtol=0, atol=0)
+    assert now["reduce_scatter_single"](out, t * 2, int(pyddp._C.RedOp.MAX)) is None
+    torch.testing.assert_close(out, t * 2, rtol=0, atol=0)
+    pg.shutdown()
+    del pg
+    with pytest.raises(RuntimeError, match="barrier on a process group that was destroyed"):
+        now["barrier"]()
+
+
 # --- functions run on every rank --------------------------------------------------
 
 

@@ -109,7 +109,7 @@ void directAllReduce(const Call& c, PeerMemory& mem,
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || count == 0, "direct all_reduce needs staging memory");
   LocalOps& ops = c.transport.local();
-  std::vector<const void*> src(c.worldSize);
+  ConstRankPtrs src(c.worldSize);
   // every rank arrived with the same call (with its first round if it has one round)
   StagedRounds rounds(c, mem, count, chunkElems);
   // The tensor moves in chunks that fit the staging buffers, one round each.
@@ -132,7 +132,7 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
   const size_t es = elementSize(spec.dtype);
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || count == 0, "two-shot all_reduce needs staging memory");
-  std::vector<const void*> src(n);
+  ConstRankPtrs src(n);
   // every rank arrived with the same call (with its first round if it has one chunk)
   StagedRounds rounds(c, mem, count, chunkElems);
   // Chunk: what fits a staging buffer, one pair of rounds each. Block b of a
@@ -158,7 +158,7 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
 }
 
 void ringAllGather(const Call& c, DataType dtype, const void* in,
-                   const std::vector<void*>& outBlocks, size_t blockCount) {
+                   c10::ArrayRef<void*> outBlocks, size_t blockCount) {
   RingLink& link = c.transport.ring();
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(dtype);
@@ -186,7 +186,7 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
 }
 
 void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void* in,
-                     const std::vector<void*>& outBlocks, size_t blockCount) {
+                     c10::ArrayRef<void*> outBlocks, size_t blockCount) {
   const size_t es = elementSize(dtype);
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || blockCount == 0, "direct all_gather needs staging memory");
@@ -210,7 +210,7 @@ void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void*
 }
 
 void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
-                       const std::vector<const void*>& inBlocks, void* out,
+                       c10::ArrayRef<const void*> inBlocks, void* out,
                        size_t blockCount) {
   RingLink& link = c.transport.ring();
   const int n = c.worldSize, r = c.rank;
@@ -241,7 +241,7 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
 }
 
 void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
-                         const std::vector<const void*>& inBlocks, void* out,
+                         c10::ArrayRef<const void*> inBlocks, void* out,
                          size_t blockCount) {
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
@@ -251,7 +251,7 @@ void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSp
   const size_t chunkElems = mem.capacityBytes() / es / n;
   PYDDP_CHECK(chunkElems > 0 || blockCount == 0, "direct reduce_scatter needs staging memory");
   LocalOps& ops = c.transport.local();
-  std::vector<const void*> src(n);
+  ConstRankPtrs src(n);
   // every rank arrived with the same call (with its first round if it has one round)
   StagedRounds rounds(c, mem, blockCount, chunkElems);
   for (size_t begin = 0; begin < blockCount; begin += chunkElems) {
@@ -324,7 +324,7 @@ void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const vo
 }
 
 void directGather(const Call& c, MessageLink& link, DataType dtype, const void* in,
-                  const std::vector<void*>& outBlocks, size_t count, int root) {
+                  c10::ArrayRef<void*> outBlocks, size_t count, int root) {
   const size_t bytes = count * elementSize(dtype);
   const int64_t tag = collectiveTag(c.desc);
   // every rank arrived with the same call
@@ -344,7 +344,7 @@ void directGather(const Call& c, MessageLink& link, DataType dtype, const void* 
 }
 
 void directScatter(const Call& c, MessageLink& link, DataType dtype,
-                   const std::vector<const void*>& inBlocks, void* out, size_t count,
+                   c10::ArrayRef<const void*> inBlocks, void* out, size_t count,
                    int root) {
   const size_t bytes = count * elementSize(dtype);
   const int64_t tag = collectiveTag(c.desc);
@@ -424,7 +424,7 @@ void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spe
   const size_t chunkElems = mem.capacityBytes() / es;
   PYDDP_CHECK(chunkElems > 0 || count == 0, "direct reduce needs staging memory");
   LocalOps& ops = c.transport.local();
-  std::vector<const void*> src(c.worldSize);
+  ConstRankPtrs src(c.worldSize);
   // every rank arrived with the same call (with its first round if it has one round)
   StagedRounds rounds(c, mem, count, chunkElems);
   for (size_t begin = 0; begin < count; begin += chunkElems) {

@@ -3,6 +3,9 @@
 // Buffers are raw host or device pointers: the engine owns the tensors.
 #pragma once
 
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
+
 #include <cstddef>
 #include <vector>
 
@@ -10,6 +13,13 @@
 
 namespace pyddp {
 namespace algorithms {
+
+// One pointer per rank (its block, its staged copy), held inline up to
+// kInlineRanks ranks: a small collective on one host allocates nothing
+// (8: the ranks of a host with 8 GPUs; more spill to the heap).
+constexpr unsigned kInlineRanks = 8;
+using RankPtrs = c10::SmallVector<void*, kInlineRanks>;
+using ConstRankPtrs = c10::SmallVector<const void*, kInlineRanks>;
 
 // What every algorithm needs to know about the call.
 struct Call {
@@ -36,20 +46,20 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
 // outBlocks[r] = in of rank r (blockCount elements each); outBlocks[rank]
 // may equal in.
 void ringAllGather(const Call& c, DataType dtype, const void* in,
-                   const std::vector<void*>& outBlocks, size_t blockCount);
+                   c10::ArrayRef<void*> outBlocks, size_t blockCount);
 // The same from every rank's staged block, in chunks of
 // PeerMemory::capacityBytes(): one meeting for a block that fits one.
 void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void* in,
-                     const std::vector<void*>& outBlocks, size_t blockCount);
+                     c10::ArrayRef<void*> outBlocks, size_t blockCount);
 // out = reduce over ranks of inBlocks[rank] (blockCount elements each).
 void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
-                       const std::vector<const void*>& inBlocks, void* out,
+                       c10::ArrayRef<const void*> inBlocks, void* out,
                        size_t blockCount);
 // The same from every rank's staged blocks, reduced in rank order, in
 // chunks of every block that fill PeerMemory::capacityBytes(): one meeting
 // for blocks that fit one.
 void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spec,
-                         const std::vector<const void*>& inBlocks, void* out,
+                         c10::ArrayRef<const void*> inBlocks, void* out,
                          size_t blockCount);
 // buf of rank `root` to buf of every rank, along the chain root, root+1, ...
 void chainBroadcast(const Call& c, void* buf, size_t bytes, int root);
@@ -73,10 +83,10 @@ void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const vo
 // outBlocks[k] of rank `root` = in of rank k (count elements each); only
 // the root receives, every other rank sends once.
 void directGather(const Call& c, MessageLink& link, DataType dtype, const void* in,
-                  const std::vector<void*>& outBlocks, size_t count, int root);
+                  c10::ArrayRef<void*> outBlocks, size_t count, int root);
 // out of rank k = inBlocks[k] of rank `root` (count elements each).
 void directScatter(const Call& c, MessageLink& link, DataType dtype,
-                   const std::vector<const void*>& inBlocks, void* out, size_t count,
+                   c10::ArrayRef<const void*> inBlocks, void* out, size_t count,
                    int root);
 // out of rank `root` = reduce(in over ranks): the reduce phase of the ring
 // (each rank ends with one reduced block), then every rank's block to the

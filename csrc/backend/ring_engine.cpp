@@ -172,8 +172,7 @@ Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
 }
 
 void RingEngine::allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype,
-                                 const void* in, const std::vector<void*>& blocks,
-                                 size_t count) {
+                                 const void* in, c10::ArrayRef<void*> blocks, size_t count) {
   if (algo == Algo::Direct) {
     algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
   } else {
@@ -269,7 +268,7 @@ WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, D
       makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo),
       outputs, {in, out},
       [=, this](const algorithms::Call& c) {
-        std::vector<void*> blocks(size_);
+        algorithms::RankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<char*>(out.data_ptr()) + b * count * es;
         }
@@ -290,7 +289,7 @@ WorkPtr RingEngine::allGatherList(const std::vector<at::Tensor>& outputs,
       makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo), outputs,
       withInput(outs, in),
       [=, this](const algorithms::Call& c) {
-        std::vector<void*> blocks(size_);
+        algorithms::RankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
         allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
       },
@@ -324,7 +323,7 @@ WorkPtr RingEngine::gatherTo(const std::vector<at::Tensor>& outputs, const at::T
                link_ ? Algo::Direct : Algo::Ring),
       outputs, withInput(outs, in),
       [=, this](const algorithms::Call& c) {
-        std::vector<void*> blocks;
+        algorithms::RankPtrs blocks;
         for (const auto& o : outs) blocks.push_back(o.data_ptr());
         if (link_) {
           algorithms::directGather(c, *link_, dtype, in.data_ptr(), blocks, count, root);
@@ -375,7 +374,7 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
       makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1, algo),
       outputs, {in, out},
       [=, this](const algorithms::Call& c) {
-        std::vector<const void*> blocks(size_);
+        algorithms::ConstRankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
         }
@@ -424,7 +423,7 @@ WorkPtr RingEngine::scatterFrom(const at::Tensor& output, const std::vector<at::
         makeDesc(CollectiveKind::Scatter, count, dtype, RedOp::Sum, root, Algo::Direct),
         {output}, withInput(blocks, out),
         [=, this](const algorithms::Call& c) {
-          std::vector<const void*> in;
+          algorithms::ConstRankPtrs in;
           for (const auto& b : blocks) in.push_back(b.data_ptr());
           algorithms::directScatter(c, *link_, dtype, in, out.data_ptr(), count, root);
         },

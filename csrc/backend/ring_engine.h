@@ -122,7 +122,7 @@ class RingEngine final : public Engine {
   Algo allReduceAlgo(size_t bytes) const;
   Algo gatherAlgo(size_t stagedBytes) const;
   void allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype, const void* in,
-                       const std::vector<void*>& blocks, size_t count);
+                       c10::ArrayRef<void*> blocks, size_t count);
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   // The transport's messages, or a TypeError naming `call`.
   MessageLink& messages(const char* call) const;
