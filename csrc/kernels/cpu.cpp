@@ -123,6 +123,20 @@ void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
     using A = acc_t<T>;
     const auto fin = finishFor<T>(spec);
     auto* d = static_cast<T*>(dst);
+    if constexpr (!kHalf<T>) {
+      // One or two sources (one and two ranks) in one pass: the tile's
+      // copy in and out would be two more passes than the reduction.
+      if (nsrc <= 2) {
+        const auto* s0 = static_cast<const T*>(src[0]);
+        const auto* s1 = static_cast<const T*>(src[nsrc - 1]);
+        if (nsrc == 1) {
+          for (size_t i = 0; i < count; ++i) d[i] = fin(s0[i]);
+        } else {
+          for (size_t i = 0; i < count; ++i) d[i] = fin(op(s0[i], s1[i]));
+        }
+        return;
+      }
+    }
     A acc[kTileElems];
     [[maybe_unused]] A wide[kHalf<T> ? kTileElems : 1];
     for (size_t base = 0; base < count; base += kTileElems) {
