@@ -107,9 +107,9 @@ py::object issue(bool asyncOp, const std::optional<std::chrono::milliseconds>& t
 // capsule holding the engine as their self) that take positional arguments
 // the Python layer has sorted out: CPU tensors, a RedOp's value, a group
 // rank. Through pybind's dispatcher (a bound method made per call, keyword
-// matching, a type lookup per argument) the same call cost about 150 ns
-// more, a third of a barrier on one rank. Errors reach Python as torch's
-// translation makes them for every pybind entry.
+// matching, a type lookup per argument) a barrier of one rank took 544 ns
+// through ProcessGroup, and 325 ns through these. Errors reach Python as
+// torch's translation makes them for every pybind entry.
 namespace direct {
 
 constexpr const char* kEngineCapsule = "pyddp.Engine";
