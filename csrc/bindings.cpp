@@ -85,6 +85,17 @@ auto interruptibly(F&& f) {
   return PythonSignals().run(std::forward<F>(f));
 }
 
+// A synchronous call, from a pybind entry or a direct one (below): it waits
+// here for its Work, if the executor made one, with the GIL released.
+template <typename Start>
+void runToEnd(std::chrono::milliseconds timeout, Start&& start) {
+  const CallOptions call{/*asyncOp=*/false, timeout, /*workless=*/true};
+  interruptibly([&] {
+    if (const WorkPtr work = start(call)) work->wait();
+    return true;
+  });
+}
+
 // An entry point as Python calls it. With async_op, the Work at once. A
 // synchronous call waits here and returns None: no Work crosses into
 // Python, and the CPU executor makes none when it runs the collective at
@@ -93,12 +104,11 @@ auto interruptibly(F&& f) {
 template <typename Start>
 py::object issue(bool asyncOp, const std::optional<std::chrono::milliseconds>& timeout,
                  Start&& start) {
-  const CallOptions call{asyncOp, timeout.value_or(c10d::kUnsetTimeout), !asyncOp};
-  if (asyncOp) return py::cast(interruptibly([&] { return start(call); }));
-  interruptibly([&] {
-    if (const WorkPtr work = start(call)) work->wait();
-    return true;
-  });
+  const auto bound = timeout.value_or(c10d::kUnsetTimeout);
+  if (asyncOp) {
+    return py::cast(interruptibly([&] { return start(CallOptions{true, bound, false}); }));
+  }
+  runToEnd(bound, start);
   return py::none();
 }
 
@@ -149,9 +159,8 @@ RedOp redOpArg(const char* call, PyObject* arg) {
 template <typename Start>
 PyObject* runSync(PyObject* self, Start&& start) {
   Engine& engine = engineOf(self);
-  return issue(false, std::nullopt, [&](const CallOptions& c) { return start(engine, c); })
-      .release()
-      .ptr();
+  runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) { return start(engine, c); });
+  Py_RETURN_NONE;
 }
 
 using C = const CallOptions&;
