@@ -11,6 +11,7 @@
 #include <torch/version.h>
 
 #include <climits>
+#include <memory>
 
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
@@ -140,6 +141,7 @@ const at::Tensor& tensorArg(const char* call, PyObject* arg) {
 }
 
 int intArg(const char* call, PyObject* arg) {
+  PYDDP_CHECK_TYPE(!PyBool_Check(arg), call, ": expected an int, got a bool");
   const long long value = PyLong_AsLongLong(arg);
   if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
   PYDDP_CHECK_VALUE(value >= INT_MIN && value <= INT_MAX, call, ": ", value,
@@ -215,7 +217,7 @@ PyObject* barrier(PyObject* self, PyObject* const* /*args*/, Py_ssize_t nargs) {
 }
 
 template <PyObject* (*F)(PyObject*, PyObject* const*, Py_ssize_t)>
-constexpr PyCFunction fastcall() {
+PyCFunction fastcall() {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(F));
 }
 
@@ -231,12 +233,14 @@ PyMethodDef kEntries[] = {
 
 // The entries bound to `engine`, by name; each keeps the engine alive.
 py::dict entriesOf(const c10::intrusive_ptr<Engine>& engine) {
-  const auto capsule = py::reinterpret_steal<py::object>(PyCapsule_New(
-      new c10::intrusive_ptr<Engine>(engine), kEngineCapsule, [](PyObject* capsule) {
+  auto held = std::make_unique<c10::intrusive_ptr<Engine>>(engine);
+  const auto capsule = py::reinterpret_steal<py::object>(
+      PyCapsule_New(held.get(), kEngineCapsule, [](PyObject* capsule) {
         delete static_cast<c10::intrusive_ptr<Engine>*>(
             PyCapsule_GetPointer(capsule, kEngineCapsule));
       }));
   if (!capsule) throw py::error_already_set();
+  held.release();  // the capsule's now
   py::dict entries;
   for (PyMethodDef& def : kEntries) {
     const auto f = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));

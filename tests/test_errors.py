@@ -203,6 +203,8 @@ def test_the_direct_entries_refuse_wrong_arguments_and_outlive_their_group():
         now["all_reduce"](t, op=0)
     with pytest.raises(TypeError, match="integer"):
         now["broadcast"](t, "0")
+    with pytest.raises(TypeError, match="broadcast: expected an int, got a bool"):
+        now["broadcast"](t, False)
     with pytest.raises(TypeError, match=r"barrier takes 0 positional arguments \(1 given\)"):
         now["barrier"](t)
     # None of those reached the group: its collectives run, here through the entries.

@@ -100,14 +100,15 @@ class CpuExecutor final : public Executor {
     bool exited = false;  // mu; the worker left its loop
   };
 
-  // Whether a call runs at once on the calling thread (`lock` held): a
+  // Whether a call runs at once on the calling thread (queue_->mu held): a
   // synchronous one with nothing ahead of it (keeping call order), or one
   // from a future callback (on the worker, inside the job that just
   // finished its transfer): queueing that one would deadlock.
   bool runsHere(const CallOptions& call, bool onWorker) const;
   // Refuses a call the group cannot take (not connected, destroyed, another
   // thread's synchronous call in flight), else counts it as issued; returns
-  // its turn as the synchronous caller (0: none). `lock` holds the queue.
+  // its turn as the synchronous caller (0: none). The caller holds
+  // queue_->mu.
   uint64_t admit(CollectiveKind kind, const CallOptions& call, bool onWorker);
   // Runs one collective as the next in sequence; returns its error.
   std::exception_ptr runCollective(CollectiveDesc& desc, std::chrono::milliseconds timeout,

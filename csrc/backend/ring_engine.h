@@ -95,8 +95,9 @@ class RingEngine final : public Engine {
  private:
   // Hands a collective to the executor: `transfer(const algorithms::Call&)`
   // runs the algorithm, `finish()` the local work after it. A call the
-  // executor runs at once borrows both and the tensors (Executor::runNow: no
-  // allocation on the small-message path); a queued one takes copies.
+  // executor runs at once borrows both (Executor::runNow: no allocation on
+  // the small-message path); one it declines (with a Work, behind queued
+  // work, on a device) is copied into a Collective with its tensors.
   template <typename Transfer, typename Finish>
   WorkPtr submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
                  c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
