@@ -79,6 +79,7 @@ from .process_group import (  # noqa: E402
     send,
 )
 from .ddp import DistributedDataParallel  # noqa: E402
+from .registered import empty, is_registered  # noqa: E402
 from .rendezvous import local_rank  # noqa: E402
 
 
@@ -128,6 +129,7 @@ __all__ = [
     "broadcast",
     "create_group",
     "destroy_process_group",
+    "empty",
     "gather",
     "get_default_group",
     "get_rank",
@@ -136,6 +138,7 @@ __all__ = [
     "init_process_group",
     "irecv",
     "is_initialized",
+    "is_registered",
     "isend",
     "local_rank",
     "new_group",

@@ -1,6 +1,7 @@
 #include "algorithms/collectives.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "algorithms/schedule.h"
@@ -32,6 +33,12 @@ size_t reducePieceElems(RingLink& link, DataType dtype) {
   return link.pieceBytes() / kernels::partialSize(dtype);
 }
 
+// Every rank entered the same collective (Transport::enter), unless it did
+// before this algorithm started.
+void arrive(const Call& c) {
+  if (!c.arrived) c.transport.enter(c.desc, c.deadline);
+}
+
 // The rounds of a direct collective, and its arrival. A tensor that fits
 // one round arrives with it (PeerMemory::enterStaged): one meeting instead
 // of two, which is most of a small collective's time. A longer one, or an
@@ -39,8 +46,8 @@ size_t reducePieceElems(RingLink& link, DataType dtype) {
 class StagedRounds {
  public:
   StagedRounds(const Call& c, PeerMemory& mem, size_t count, size_t chunkElems)
-      : c_(c), mem_(mem), arrivePending_(count > 0 && count <= chunkElems) {
-    if (!arrivePending_) c.transport.enter(c.desc, c.deadline);
+      : c_(c), mem_(mem), arrivePending_(!c.arrived && count > 0 && count <= chunkElems) {
+    if (!arrivePending_) arrive(c);
   }
   // Publishes this rank's staged round; returns once every rank has.
   void exchange() {
@@ -70,7 +77,7 @@ void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
     return Range{blk.begin + pc.begin, pc.count};
   };
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   if (n == 1) {
     c.transport.local().copy(out, in, count * es);  // AVG over one rank is x / 1 = x
     return;
@@ -164,7 +171,7 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   const size_t es = elementSize(dtype);
   const size_t pe = link.pieceBytes() / es;
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   // my own block needs no transport
   c.transport.local().copy(outBlocks[r], in, blockCount * es);
   if (n == 1) return;
@@ -217,7 +224,7 @@ void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
   const size_t es = elementSize(spec.dtype);
   const size_t pe = reducePieceElems(link, spec.dtype);
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   if (n == 1) {
     c.transport.local().copy(out, inBlocks[0], blockCount * es);
     return;
@@ -278,7 +285,7 @@ void chainBroadcast(const Call& c, void* buf, size_t bytes, int root) {
   const int last = c.worldSize - 1;
   const size_t pb = link.pieceBytes();
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   if (c.worldSize == 1) return;
   for (size_t p = 0; p < schedule::numPieces(bytes, pb); ++p) {
     const Range pc = schedule::piece(bytes, pb, p);
@@ -294,7 +301,76 @@ void chainBroadcast(const Call& c, void* buf, size_t bytes, int root) {
 }
 
 void barrier(const Call& c) {
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
+}
+
+RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine, size_t bytes,
+                                int root) {
+  PYDDP_CHECK(!c.arrived && mem.capacityBytes() >= sizeof(registered::Ref),
+              "a registered collective arrives with its staging buffer");
+  // stage where my tensor lies, and arrive with it
+  const registered::Ref own = registered::locate(mine, bytes);
+  std::memcpy(mem.stagingBuffer(), &own, sizeof own);
+  mem.enterStaged(c.desc, c.deadline);
+  // the tensors read, if all are registered
+  c10::SmallVector<registered::Ref, kInlineRanks> refs(c.worldSize);
+  for (int k = 0; k < c.worldSize; ++k) {
+    std::memcpy(&refs[k], mem.peerBuffer(k), sizeof refs[k]);
+    if ((root < 0 || k == root) && refs[k].serial == 0) return {};
+  }
+  // mapped here
+  RegisteredView view{ConstRankPtrs(c.worldSize)};
+  for (int k = 0; k < c.worldSize; ++k) {
+    if (root >= 0 && k != root) continue;
+    view.tensors[k] = k == c.rank ? mine : mem.registeredTensor(k, refs[k], bytes);
+  }
+  return view;
+}
+
+void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& in,
+                         DataType dtype, c10::ArrayRef<void*> outBlocks, size_t blockCount) {
+  LocalOps& ops = c.transport.local();
+  const size_t bytes = blockCount * elementSize(dtype);
+  // every block from where its rank's input lies (my own last: no peer waits for it)
+  for (int k = 1; k <= c.worldSize; ++k) {
+    const int b = schedule::mod(c.rank + k, c.worldSize);
+    ops.copy(outBlocks[b], in.tensors[b], bytes);
+  }
+  // no peer reads my input any more
+  mem.exchange();
+}
+
+void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
+                         size_t bytes, int root) {
+  // the root's buf to mine
+  if (c.rank != root) c.transport.local().copy(buf, bufs.tensors[root], bytes);
+  // no rank reads the root's buf any more
+  mem.exchange();
+}
+
+void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
+                         const kernels::ReduceSpec& spec, void* buf, size_t count) {
+  LocalOps& ops = c.transport.local();
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  // Block b (balancedBlock) is reduced by rank b, in place in rank b's buf,
+  // which no other rank reads until the next meeting; the other ranks read
+  // only their own block of it until then.
+  const Range mine = schedule::balancedBlock(count, n, r);
+  ConstRankPtrs src(n);
+  // reduce my block of every rank's buf in rank order (the same bits on every rank)
+  for (int k = 0; k < n; ++k) src[k] = at(bufs.tensors[k], mine.begin, es);
+  ops.reduceN(spec, at(buf, mine.begin, es), src.data(), n, mine.count);
+  // every block is reduced
+  mem.exchange();
+  // each block from the rank that reduced it (my own is in place)
+  for (int k = 1; k < n; ++k) {
+    const int b = schedule::mod(r + k, n);
+    const Range blk = schedule::balancedBlock(count, n, b);
+    ops.copy(at(buf, blk.begin, es), at(bufs.tensors[b], blk.begin, es), blk.count * es);
+  }
+  // no peer reads my buf any more
+  mem.exchange();
 }
 
 void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const void* in,
@@ -306,7 +382,7 @@ void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const vo
   const size_t es = elementSize(dtype);
   const int64_t tag = collectiveTag(c.desc);
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   // my own block needs no message
   c.transport.local().copy(at(out, recvOffsets[r], es), at(in, sendOffsets[r], es),
                            recvCounts[r] * es);
@@ -328,7 +404,7 @@ void directGather(const Call& c, MessageLink& link, DataType dtype, const void* 
   const size_t bytes = count * elementSize(dtype);
   const int64_t tag = collectiveTag(c.desc);
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   std::vector<uint64_t> ops;
   if (c.rank != root) {
     // send my block to the root
@@ -349,7 +425,7 @@ void directScatter(const Call& c, MessageLink& link, DataType dtype,
   const size_t bytes = count * elementSize(dtype);
   const int64_t tag = collectiveTag(c.desc);
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   std::vector<uint64_t> ops;
   if (c.rank != root) {
     // receive my block from the root
@@ -376,7 +452,7 @@ void ringReduce(const Call& c, MessageLink& link, const kernels::ReduceSpec& spe
     return Range{blk.begin + pc.begin, pc.count};
   };
   // every rank arrived with the same call
-  c.transport.enter(c.desc, c.deadline);
+  arrive(c);
   if (n == 1) {
     c.transport.local().copy(out, in, count * es);
     return;

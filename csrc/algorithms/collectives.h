@@ -28,6 +28,9 @@ struct Call {
   Clock::time_point deadline;
   int rank;
   int worldSize;
+  // Every rank has entered the collective already (arriveRegistered): the
+  // algorithm starts without its own arrival.
+  bool arrived = false;
 };
 
 // out = reduce(in over ranks); out may equal in. count elements per rank.
@@ -65,6 +68,41 @@ void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSp
 void chainBroadcast(const Call& c, void* buf, size_t bytes, int root);
 // Returns once every rank has entered.
 void barrier(const Call& c);
+
+// Registered memory (transport/registered.h): peers read a tensor where it
+// lies, so the copy into and out of a staging buffer or ring slot becomes
+// one copy. Each such collective costs two meetings more than its staged
+// one-round form (every rank learns where the others' tensors are, and
+// waits until no peer reads its tensor any more), so it pays for larger
+// messages only.
+
+// The tensors a registered collective reads, as this rank reaches them:
+// its own where it is, a peer's mapped read-only. Empty when one of them
+// is not registered: the collective takes another algorithm.
+struct RegisteredView {
+  ConstRankPtrs tensors;  // by rank; nullptr for a rank not read
+  bool usable() const { return !tensors.empty(); }
+};
+// The arrival of a collective that may run on registered tensors: every
+// rank stages where its tensor `mine` (`bytes` long) lies in registered
+// memory and arrives with it (one meeting, as PeerMemory::enterStaged).
+// The tensors read are every rank's (root -1) or the root's; they are
+// mapped if all of them are registered. A caller that goes on with another
+// algorithm passes it a copy of `c` with `arrived` set.
+RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine, size_t bytes,
+                                int root = -1);
+// ringAllGather's result, each peer's block read from its registered input.
+void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& in,
+                         DataType dtype, c10::ArrayRef<void*> outBlocks, size_t blockCount);
+// buf of rank `root` to buf of every rank, read from the root's registered
+// buf (the other ranks' need not be registered).
+void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
+                         size_t bytes, int root);
+// buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every
+// rank's registered buf: rank b reduces block b of every buf into its own,
+// then every rank copies each block from the rank that reduced it.
+void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
+                         const kernels::ReduceSpec& spec, void* buf, size_t count);
 
 // Algorithms over point-to-point messages (MessageLink). Each is one round
 // of messages tagged for this collective alone, so they never meet a

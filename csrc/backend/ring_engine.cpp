@@ -171,8 +171,30 @@ Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
   return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
 }
 
-void RingEngine::allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype,
+template <typename Run>
+bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root,
+                               Run&& run) {
+  PeerMemory* mem = transport_->peerMemory();
+  if (!cpuExec_ || options_.algo != Algo::Auto || bytes < kRegisteredMinBytes || !mem ||
+      !mem->mapsRegistered()) {
+    return false;
+  }
+  const algorithms::RegisteredView view = algorithms::arriveRegistered(c, *mem, mine, bytes, root);
+  c.arrived = true;
+  if (!view.usable()) return false;
+  run(*mem, view);
+  return true;
+}
+
+void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataType dtype,
                                  const void* in, c10::ArrayRef<void*> blocks, size_t count) {
+  algorithms::Call c = call;
+  if (ranRegistered(c, in, count * elementSize(dtype), -1,
+                    [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
+                      algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
+                    })) {
+    return;
+  }
   if (algo == Algo::Direct) {
     algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
   } else {
@@ -197,8 +219,15 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
   return submit(
       makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1, algo), outputs,
       {buf},
-      [=, this](const algorithms::Call& c) {
+      [=, this](const algorithms::Call& call) {
         void* data = buf.data_ptr();
+        algorithms::Call c = call;
+        if (ranRegistered(c, data, count * elementSize(s.dtype), -1,
+                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
+                            algorithms::registeredAllReduce(c, mem, view, s, data, count);
+                          })) {
+          return;
+        }
         switch (algo) {
           case Algo::Direct:
             algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
@@ -346,8 +375,17 @@ WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallO
   const at::Tensor buf = dense(tensor);
   return submit(
       makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor}, {buf},
-      [=](const algorithms::Call& c) {
-        algorithms::chainBroadcast(c, buf.data_ptr(), count * elementSize(dtype), src);
+      [=, this](const algorithms::Call& call) {
+        void* data = buf.data_ptr();
+        const size_t bytes = count * elementSize(dtype);
+        algorithms::Call c = call;
+        if (ranRegistered(c, data, bytes, src,
+                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
+                            algorithms::registeredBroadcast(c, mem, view, data, bytes, src);
+                          })) {
+          return;
+        }
+        algorithms::chainBroadcast(c, data, bytes, src);
       },
       [=] { copyBack(tensor, buf); }, call);
 }

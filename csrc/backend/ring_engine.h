@@ -124,6 +124,14 @@ class RingEngine final : public Engine {
   Algo gatherAlgo(size_t stagedBytes) const;
   void allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype, const void* in,
                        c10::ArrayRef<void*> blocks, size_t count);
+  // Registered memory: a collective of `bytes` per rank whose tensors are
+  // read where they lie when every one read is registered. Every rank
+  // decides alike: CPU tensors, algo auto, peers' memory mapped, at least
+  // kRegisteredMinBytes. Runs `run(view)` and returns true when it does;
+  // returns false when the collective takes another algorithm, with `c`
+  // marked arrived if it arrived here.
+  template <typename Run>
+  bool ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root, Run&& run);
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   // The transport's messages, or a TypeError naming `call`.
   MessageLink& messages(const char* call) const;

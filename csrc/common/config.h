@@ -59,6 +59,10 @@ constexpr int kDefaultNumSlots = 8;
 // grows with its 2(n-1) hops. 8 KiB sits between.
 constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
 constexpr size_t kDefaultTwoShotMaxBytes = 0;
+// all_reduce, all_gather and broadcast of at least this many bytes per rank
+// read registered tensors where they lie (algorithms/collectives.h); below,
+// the staged one-meeting algorithms are faster than its three meetings.
+constexpr size_t kRegisteredMinBytes = 64 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 
 // Every PYDDP_* variable with its current value ("" when unset).

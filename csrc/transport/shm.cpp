@@ -506,5 +506,17 @@ const void* ShmTransport::peerBuffer(int rank) const {
   return segments_[rank].staging + (rounds_ % 2) * directBytes_;
 }
 
+bool ShmTransport::mapsRegistered() const {
+  for (const Segment& s : segments_) {
+    if (!s.pidVisible) return false;
+  }
+  return true;
+}
+
+const void* ShmTransport::registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {
+  Segment& s = segments_[rank];
+  return s.tensors.map(ref, bytes, s.pid, rank);
+}
+
 } // namespace shm
 } // namespace pyddp

@@ -27,6 +27,7 @@
 
 #include "common/config.h"
 #include "common/descriptor.h"
+#include "transport/registered.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -203,6 +204,10 @@ class ShmTransport final : public Transport,
   void exchange() override;
   void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
   const void* peerBuffer(int rank) const override;
+  // Every rank in this process's pid namespace: their /proc/<pid>/fd is
+  // reachable from here.
+  bool mapsRegistered() const override;
+  const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) override;
 
  private:
   struct Segment {
@@ -213,6 +218,7 @@ class ShmTransport final : public Transport,
     char* staging = nullptr;
     int pid = 0;
     bool pidVisible = false;  // same pid namespace: liveness can be checked
+    registered::PeerMaps tensors;  // the peer's registered tensors mapped here
   };
 
   // Points `s` at a mapping of `bytes` at `base`. Peers' segments are

@@ -15,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "common/check.h"
 #include "common/descriptor.h"
 #include "kernels/cpu.h"
+#include "transport/registered.h"
 
 namespace pyddp {
 
@@ -98,6 +100,13 @@ class PeerMemory {
   // collective after it staged.
   virtual void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
   virtual const void* peerBuffer(int rank) const = 0;
+  // Registered memory (transport/registered.h), for CPU tensors: whether
+  // this rank can map every peer's, and rank `rank`'s tensor that `ref`
+  // names, `bytes` long, mapped here (throws if it cannot be).
+  virtual bool mapsRegistered() const { return false; }
+  virtual const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {
+    PYDDP_CHECK(false, "this transport does not map registered memory");
+  }
 };
 
 // Where connections made after bootstrap (point-to-point channels, made on

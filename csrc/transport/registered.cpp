@@ -1,0 +1,160 @@
+#include "transport/registered.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "common/check.h"
+#include "transport/shm_segment.h"
+
+namespace pyddp {
+namespace registered {
+namespace {
+
+struct Allocation {
+  size_t bytes;
+  int fd;
+  uint64_t inode;
+  uint64_t serial;
+};
+
+// Every allocation of this process, by its first byte.
+struct Registry {
+  std::mutex mutex;
+  std::map<uintptr_t, Allocation> byBase;
+  uint64_t lastSerial = 0;
+};
+
+Registry& registry() {
+  // Never destroyed: tensors freed while the process exits still find it.
+  static Registry* r = new Registry();
+  return *r;
+}
+
+std::atomic<uint64_t> mapsMadeCount{0};
+
+size_t wholePages(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return std::max<size_t>(page, (bytes + page - 1) / page * page);
+}
+
+std::string errnoText() {
+  return std::strerror(errno);
+}
+
+} // namespace
+
+void* allocate(size_t bytes) {
+  const size_t length = wholePages(bytes);
+  const int fd = memfd_create("pyddp-registered", MFD_CLOEXEC);
+  PYDDP_CHECK(fd >= 0, "registered memory: memfd_create: ", errnoText());
+  struct stat st;
+  // 0600, as every segment a peer maps (shm::segmentProblem); ftruncate,
+  // not posix_fallocate: memfd pages come from the page cache, not /dev/shm.
+  if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(length)) != 0 ||
+      fstat(fd, &st) != 0) {
+    const std::string why = errnoText();
+    close(fd);
+    PYDDP_CHECK(false, "registered memory: cannot make ", length, " bytes: ", why);
+  }
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    const std::string why = errnoText();
+    close(fd);
+    PYDDP_CHECK(false, "registered memory: mmap of ", length, " bytes: ", why);
+  }
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.byBase[reinterpret_cast<uintptr_t>(base)] =
+      Allocation{length, fd, static_cast<uint64_t>(st.st_ino), ++r.lastSerial};
+  return base;
+}
+
+void release(void* data) {
+  Registry& r = registry();
+  Allocation a;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.byBase.find(reinterpret_cast<uintptr_t>(data));
+    if (it == r.byBase.end()) return;
+    a = it->second;
+    r.byBase.erase(it);
+  }
+  munmap(data, a.bytes);
+  close(a.fd);
+}
+
+Ref locate(const void* data, size_t bytes) {
+  const auto p = reinterpret_cast<uintptr_t>(data);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.byBase.upper_bound(p);
+  if (it == r.byBase.begin()) return Ref{};
+  --it;
+  const Allocation& a = it->second;
+  const uintptr_t offset = p - it->first;
+  if (offset >= a.bytes || bytes > a.bytes - offset) return Ref{};
+  return Ref{a.serial, a.inode, a.bytes, offset, static_cast<int32_t>(getpid()), a.fd};
+}
+
+PeerMaps::~PeerMaps() {
+  for (const Mapping& m : maps_) munmap(m.base, m.bytes);
+}
+
+const void* PeerMaps::map(const Ref& ref, size_t bytes, int pid, int peer) {
+  const auto at = [&](const Mapping& m) {
+    return static_cast<const char*>(m.base) + ref.offset;
+  };
+  PYDDP_CHECK(ref.pid == pid && ref.fd >= 0 && ref.offset <= ref.mapBytes &&
+                  bytes <= ref.mapBytes - ref.offset,
+              "rank ", peer, " (pid ", pid, ") named ", bytes, " bytes at offset ", ref.offset,
+              " of ", ref.mapBytes, " bytes of pid ", ref.pid, "'s registered memory (fd ",
+              ref.fd, "): not its own, or not that long");
+  for (auto it = maps_.begin(); it != maps_.end(); ++it) {
+    if (it->serial != ref.serial || it->inode != ref.inode || it->bytes != ref.mapBytes) continue;
+    maps_.splice(maps_.begin(), maps_, it);  // most recently used first
+    return at(maps_.front());
+  }
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(ref.fd);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  PYDDP_CHECK(fd >= 0, "cannot open rank ", peer, "'s registered tensor (", path,
+              "): ", errnoText(), "; its tensors must be readable by the processes of this "
+              "group (the same user and pid namespace)");
+  struct stat st;
+  std::string problem;
+  if (fstat(fd, &st) != 0) {
+    problem = "fstat: " + errnoText();
+  } else if (static_cast<uint64_t>(st.st_ino) != ref.inode) {
+    problem = "it is not the allocation rank " + std::to_string(peer) + " named";
+  } else {
+    problem = shm::segmentProblem(st.st_uid, st.st_mode, st.st_size, ref.mapBytes, geteuid());
+  }
+  void* base = problem.empty()
+      ? mmap(nullptr, ref.mapBytes, PROT_READ, MAP_SHARED, fd, 0)
+      : MAP_FAILED;
+  if (problem.empty() && base == MAP_FAILED) problem = "mmap: " + errnoText();
+  close(fd);
+  PYDDP_CHECK(problem.empty(), "will not map rank ", peer, "'s registered tensor (", path,
+              "): ", problem);
+  if (maps_.size() == kMapsPerPeer) {
+    munmap(maps_.back().base, maps_.back().bytes);
+    maps_.pop_back();
+  }
+  maps_.push_front(Mapping{ref.serial, ref.inode, base, ref.mapBytes});
+  mapsMadeCount.fetch_add(1, std::memory_order_relaxed);
+  return at(maps_.front());
+}
+
+uint64_t PeerMaps::mapsMade() {
+  return mapsMadeCount.load(std::memory_order_relaxed);
+}
+
+} // namespace registered
+} // namespace pyddp

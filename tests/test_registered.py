@@ -1,0 +1,181 @@
+"""Registered memory (pyddp.empty): tensors the peers read where they lie.
+
+Results are checked against single-process references (collective_cases);
+which path a collective took is seen through the number of peer tensors
+this process has mapped (``_testing.registered_maps_made``): the registered
+path maps each peer tensor it reads the first time, the others map none.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyddp
+from collective_cases import ReduceOp, check_equal, make_input, reference_reduce
+from harness import RankContext, Ranks
+from pyddp._C import _testing
+
+# Above the registered path's threshold (64 KiB per rank) for every dtype
+# used, and uneven over 3 ranks.
+COUNT = 40_001
+MAPS_PER_PEER = 64
+
+
+def maps_made() -> int:
+    return _testing.registered_maps_made()
+
+
+def _setup(ctx: RankContext) -> None:
+    store = dist.FileStore(ctx.store_path("auto"), ctx.world_size)
+    ctx.groups["auto"] = pyddp.new_group("shm", store=store, rank=ctx.rank,
+                                         world_size=ctx.world_size,
+                                         timeout=datetime.timedelta(seconds=60))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+def ranks(request):
+    pool = Ranks(request.param, setup=_setup)
+    yield pool
+    pool.close()
+
+
+def registered_copy(t: torch.Tensor) -> torch.Tensor:
+    out = pyddp.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+def test_empty_makes_zeroed_registered_tensors():
+    t = pyddp.empty(3, 5, dtype=torch.float64)
+    assert t.shape == (3, 5) and t.dtype == torch.float64 and t.device.type == "cpu"
+    assert torch.equal(t, torch.zeros(3, 5, dtype=torch.float64))
+    assert pyddp.is_registered(t)
+    assert pyddp.is_registered(t[1:])                # contiguous view inside it
+    assert not pyddp.is_registered(t[:, 1])          # not contiguous
+    assert not pyddp.is_registered(torch.empty(3, 5))
+    assert pyddp.empty((2, 2)).dtype == torch.get_default_dtype()
+    assert pyddp.empty(0).numel() == 0
+    with pytest.raises(ValueError, match="negative size"):
+        pyddp.empty(2, -1)
+    with pytest.raises(TypeError, match="size must be ints"):
+        pyddp.empty(2.0)
+    # Memory freed with its tensor is reusable: many allocations do not pile up.
+    for i in range(200):
+        u = pyddp.empty(1 << 16, dtype=torch.uint8)
+        u.fill_(i % 256)
+        assert int(u[-1]) == i % 256
+
+
+def _all_reduce(ctx, dtype, op, registered_on):
+    n, group = ctx.world_size, ctx.groups["auto"]
+    inputs = [make_input(r, COUNT, dtype, op) for r in range(n)]
+    mine = inputs[ctx.rank].clone()
+    if ctx.rank in registered_on:
+        mine = registered_copy(mine)
+    before = maps_made()
+    pyddp.all_reduce(mine, op, group=group)
+    check_equal(mine, reference_reduce(inputs, op), f"all_reduce {dtype} {op}")
+    first = maps_made() - before
+    # The same tensors again: the peers' stay mapped.
+    mine.copy_(inputs[ctx.rank])
+    pyddp.all_reduce(mine, op, group=group)
+    check_equal(mine, reference_reduce(inputs, op), f"all_reduce {dtype} {op} again")
+    return first, maps_made() - before - first
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.float32, ReduceOp.SUM),
+                                      (torch.float64, ReduceOp.AVG),
+                                      (torch.bfloat16, ReduceOp.SUM),
+                                      (torch.float16, ReduceOp.MAX),
+                                      (torch.int32, ReduceOp.PRODUCT),
+                                      (torch.int64, ReduceOp.MIN)])
+def test_all_reduce_reads_registered_tensors_in_place(ranks, dtype, op):
+    everyone = range(ranks.world_size)
+    results = ranks.run(_all_reduce, dtype, op, everyone)
+    # each rank mapped every peer's tensor once, and kept it
+    assert results == [(ranks.world_size - 1, 0)] * ranks.world_size
+
+
+def test_all_reduce_with_some_tensors_not_registered_takes_the_staged_path(ranks):
+    results = ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, [0])
+    assert results == [(0, 0)] * ranks.world_size
+
+
+def _all_gather(ctx, registered_on, form):
+    n, group = ctx.world_size, ctx.groups["auto"]
+    inputs = [make_input(r, COUNT, torch.float32, salt=7) for r in range(n)]
+    expected = torch.cat(inputs)
+    registered = ctx.rank in registered_on
+    before = maps_made()
+    if form == "in_place":
+        out = pyddp.empty(n * COUNT, dtype=torch.float32) if registered else torch.zeros(n * COUNT)
+        block = out[ctx.rank * COUNT:(ctx.rank + 1) * COUNT]
+        block.copy_(inputs[ctx.rank])
+        pyddp.all_gather_into_tensor(out, block, group=group)
+    else:
+        mine = registered_copy(inputs[ctx.rank]) if registered else inputs[ctx.rank].clone()
+        if form == "single":
+            out = torch.full((n * COUNT,), -1.0)
+            pyddp.all_gather_single(out, mine, group=group)
+        else:
+            outs = [torch.full((COUNT,), -1.0) for _ in range(n)]
+            pyddp.all_gather(outs, mine, group=group)
+            out = torch.cat(outs)
+        check_equal(mine, inputs[ctx.rank], "all_gather's input, unchanged")
+    check_equal(out, expected, f"all_gather ({form})")
+    return maps_made() - before
+
+
+@pytest.mark.parametrize("form", ["single", "list", "in_place"])
+def test_all_gather_reads_registered_inputs(ranks, form):
+    n = ranks.world_size
+    assert ranks.run(_all_gather, range(n), form) == [n - 1] * n
+    # one rank's input not registered: every rank takes the staged path
+    assert ranks.run(_all_gather, [1], form) == [0] * n
+
+
+def _broadcast(ctx, root, registered_on):
+    group = ctx.groups["auto"]
+    data = make_input(root, COUNT, torch.float64, salt=3)
+    t = torch.zeros(COUNT, dtype=torch.float64)
+    if ctx.rank in registered_on:
+        t = pyddp.empty(COUNT, dtype=torch.float64)
+    if ctx.rank == root:
+        t.copy_(data)
+    before = maps_made()
+    pyddp.broadcast(t, root, group=group)
+    check_equal(t, data, f"broadcast from {root}")
+    return maps_made() - before
+
+
+def test_broadcast_reads_the_registered_root(ranks):
+    n = ranks.world_size
+    for root in range(n):
+        # only the root's tensor is read: the others' need not be registered
+        maps = ranks.run(_broadcast, root, [root])
+        assert maps == [0 if r == root else 1 for r in range(n)]
+        assert ranks.run(_broadcast, root, [r for r in range(n) if r != root]) == [0] * n
+
+
+def _fresh_tensors(ctx, rounds):
+    group = ctx.groups["auto"]
+    before = maps_made()
+    for i in range(rounds):
+        mine = registered_copy(make_input(ctx.rank, COUNT, torch.float32, salt=i))
+        pyddp.all_reduce(mine, group=group)
+        expected = reference_reduce([make_input(r, COUNT, torch.float32, salt=i)
+                                     for r in range(ctx.world_size)], ReduceOp.SUM)
+        check_equal(mine, expected, f"all_reduce of fresh tensors, round {i}")
+    return maps_made() - before
+
+
+def test_fresh_tensors_every_call_are_each_mapped_and_the_oldest_unmapped(ranks):
+    # More tensors than a peer keeps mapped: each is new to the peers, and
+    # pushing out the oldest mapping never touches one still read.
+    rounds = MAPS_PER_PEER + 6
+    n = ranks.world_size
+    assert ranks.run(_fresh_tensors, rounds) == [rounds * (n - 1)] * n
