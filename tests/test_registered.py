@@ -19,10 +19,15 @@ from collective_cases import ReduceOp, check_equal, make_input, reference_reduce
 from harness import RankContext, Ranks
 from pyddp._C import _testing
 
-# Above the registered path's threshold (64 KiB per rank) for every dtype
-# used, and uneven over 3 ranks.
-COUNT = 40_001
+# Inside the sizes that read registered tensors (common/config.h: 64 KiB to
+# 8 MiB per rank, all_reduce from 512 KiB), uneven over 3 ranks.
+COUNT = 40_001                # all_gather and broadcast, 160 KB of float32
+ALL_REDUCE_BYTES = 600_000    # all_reduce, in every dtype
 MAPS_PER_PEER = 64
+
+
+def all_reduce_count(dtype: torch.dtype) -> int:
+    return ALL_REDUCE_BYTES // dtype.itemsize + 1
 
 
 def maps_made() -> int:
@@ -70,9 +75,10 @@ def test_empty_makes_zeroed_registered_tensors():
         assert int(u[-1]) == i % 256
 
 
-def _all_reduce(ctx, dtype, op, registered_on):
+def _all_reduce(ctx, dtype, op, registered_on, count=None):
     n, group = ctx.world_size, ctx.groups["auto"]
-    inputs = [make_input(r, COUNT, dtype, op) for r in range(n)]
+    count = count or all_reduce_count(dtype)
+    inputs = [make_input(r, count, dtype, op) for r in range(n)]
     mine = inputs[ctx.rank].clone()
     if ctx.rank in registered_on:
         mine = registered_copy(mine)
@@ -103,6 +109,14 @@ def test_all_reduce_reads_registered_tensors_in_place(ranks, dtype, op):
 def test_all_reduce_with_some_tensors_not_registered_takes_the_staged_path(ranks):
     results = ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, [0])
     assert results == [(0, 0)] * ranks.world_size
+
+
+def test_sizes_outside_the_window_take_the_staged_path(ranks):
+    n, everyone = ranks.world_size, range(ranks.world_size)
+    # 400 KB: below all_reduce's 512 KiB, above the others' 64 KiB
+    assert ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, everyone, 100_000) == [(0, 0)] * n
+    # 9 MiB: above 8 MiB
+    assert ranks.run(_broadcast, 0, everyone, 9 * 1024 * 1024 // 8) == [0] * n
 
 
 def _all_gather(ctx, registered_on, form):
@@ -138,12 +152,12 @@ def test_all_gather_reads_registered_inputs(ranks, form):
     assert ranks.run(_all_gather, [1], form) == [0] * n
 
 
-def _broadcast(ctx, root, registered_on):
+def _broadcast(ctx, root, registered_on, count=COUNT):
     group = ctx.groups["auto"]
-    data = make_input(root, COUNT, torch.float64, salt=3)
-    t = torch.zeros(COUNT, dtype=torch.float64)
+    data = make_input(root, count, torch.float64, salt=3)
+    t = torch.zeros(count, dtype=torch.float64)
     if ctx.rank in registered_on:
-        t = pyddp.empty(COUNT, dtype=torch.float64)
+        t = pyddp.empty(count, dtype=torch.float64)
     if ctx.rank == root:
         t.copy_(data)
     before = maps_made()
@@ -165,9 +179,10 @@ def _fresh_tensors(ctx, rounds):
     group = ctx.groups["auto"]
     before = maps_made()
     for i in range(rounds):
-        mine = registered_copy(make_input(ctx.rank, COUNT, torch.float32, salt=i))
+        count = all_reduce_count(torch.float32)
+        mine = registered_copy(make_input(ctx.rank, count, torch.float32, salt=i))
         pyddp.all_reduce(mine, group=group)
-        expected = reference_reduce([make_input(r, COUNT, torch.float32, salt=i)
+        expected = reference_reduce([make_input(r, count, torch.float32, salt=i)
                                      for r in range(ctx.world_size)], ReduceOp.SUM)
         check_equal(mine, expected, f"all_reduce of fresh tensors, round {i}")
     return maps_made() - before

@@ -175,8 +175,8 @@ template <typename Run>
 bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root,
                                Run&& run) {
   PeerMemory* mem = transport_->peerMemory();
-  if (!cpuExec_ || options_.algo != Algo::Auto || bytes < kRegisteredMinBytes || !mem ||
-      !mem->mapsRegistered()) {
+  if (!cpuExec_ || options_.algo != Algo::Auto || !readsRegistered(c.desc.kind, bytes) ||
+      !mem || !mem->mapsRegistered()) {
     return false;
   }
   const algorithms::RegisteredView view = algorithms::arriveRegistered(c, *mem, mine, bytes, root);

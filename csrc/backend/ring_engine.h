@@ -126,8 +126,8 @@ class RingEngine final : public Engine {
                        c10::ArrayRef<void*> blocks, size_t count);
   // Registered memory: a collective of `bytes` per rank whose tensors are
   // read where they lie when every one read is registered. Every rank
-  // decides alike: CPU tensors, algo auto, peers' memory mapped, at least
-  // kRegisteredMinBytes. Runs `run(view)` and returns true when it does;
+  // decides alike: CPU tensors, algo auto, peers' memory mapped, a size
+  // readsRegistered() takes. Runs `run(view)` and returns true when it does;
   // returns false when the collective takes another algorithm, with `c`
   // marked arrived if it arrived here.
   template <typename Run>

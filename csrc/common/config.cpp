@@ -117,4 +117,10 @@ std::map<std::string, std::string> settings() {
   return out;
 }
 
+bool readsRegistered(CollectiveKind kind, size_t bytes) {
+  const size_t least =
+      kind == CollectiveKind::AllReduce ? kRegisteredAllReduceMinBytes : kRegisteredMinBytes;
+  return bytes >= least && bytes <= kRegisteredMaxBytes;
+}
+
 } // namespace pyddp
