@@ -40,6 +40,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Union
 
 import torch
 
+from . import registered
 from .ddp_groups import DDPGroup
 from .process_group import ReduceOp, Work
 
@@ -107,6 +108,14 @@ class GradBucket:
         return self._is_last
 
 
+def _zeros(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A bucket's flat buffer: on the CPU in registered memory, which pyddp's collectives
+    read in place on the other ranks of this host (pyddp.registered)."""
+    if device.type == "cpu":
+        return registered.empty(count, dtype=dtype)
+    return torch.zeros(count, dtype=dtype, device=device)
+
+
 class _Bucket:
     """A bucket's flat buffer, per-slot views and the state of the current backward.
 
@@ -121,8 +130,8 @@ class _Bucket:
         members = [params[i] for i in self.indices]
         packed = [pack_all or p.numel() * p.element_size() < IN_PLACE_MIN_BYTES
                   for p in members]
-        self.buffer = torch.zeros(sum(p.numel() for p, pack in zip(members, packed) if pack),
-                                  dtype=members[0].dtype, device=members[0].device)
+        self.buffer = _zeros(sum(p.numel() for p, pack in zip(members, packed) if pack),
+                             members[0].dtype, members[0].device)
         self.views: List[Optional[torch.Tensor]] = []
         offset = 0
         for p, pack in zip(members, packed):

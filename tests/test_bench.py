@@ -466,6 +466,7 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     points = data | {("barrier", 0)}  # timed once, at the first size
     found, skips = _by_peer(document["results"]), _skips(document)
     assert found["pyddp"] == points and found["gloo"] == points and found["limit"] == data
+    assert found["pyddp_registered"] == points
     assert "moves no bytes" in skips[("limit", "barrier")]
     mpi_reason = mpi_launchable()
     if mpi_reason is None:

@@ -16,6 +16,7 @@ from typing import Optional, Protocol
 
 import torch
 
+import pyddp
 from pyddp.bench.peers import Peer
 
 REDOPS = ("sum", "prod", "min", "max", "avg")
@@ -137,11 +138,21 @@ class _Buffers:
     world_size: int
     dtype: torch.dtype
     device: torch.device
+    registered: bool = False
+    """Whether the buffers are in pyddp's registered memory (pyddp.empty; CPU only)."""
     _expected: Optional[torch.Tensor] = field(default=None, repr=False)
 
+    def empty(self, count: int) -> torch.Tensor:
+        """An uninitialised buffer of ``count`` elements of this case's dtype, where it lives."""
+        if self.registered:
+            return pyddp.empty(count, dtype=self.dtype)
+        return torch.empty(count, dtype=self.dtype, device=self.device)
+
     def place(self, values: torch.Tensor) -> torch.Tensor:
-        """float64 ``values`` as this case's dtype on its device."""
-        return values.to(self.dtype).to(self.device)
+        """float64 ``values`` (one dimension) as this case's dtype, where it lives."""
+        out = self.empty(values.numel())
+        out.copy_(values)
+        return out
 
     def expected(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The cached float64 reference on the case's device (``compute`` builds it once)."""
@@ -193,13 +204,14 @@ class AllReduceCase(_InPlaceCase):
         self._b = buffers
         self._redop = redop
         self._input = buffers.place(reduce_input(buffers.rank, count, redop))
-        self.tensor = torch.empty_like(self._input)
+        self.tensor = buffers.empty(self._input.numel())
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "AllReduceCase":
-        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, redop)
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "AllReduceCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize, redop)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.all_reduce(self.tensor, self._redop)
@@ -217,13 +229,14 @@ class BroadcastCase(_InPlaceCase):
         self._b = buffers
         self._root = root
         self._input = buffers.place(data_input(buffers.rank, count))
-        self.tensor = torch.empty_like(self._input)
+        self.tensor = buffers.empty(self._input.numel())
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "BroadcastCase":
-        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize, root)
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "BroadcastCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize, root)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.broadcast(self.tensor, self._root)
@@ -259,14 +272,14 @@ class AllGatherCase(_OutOfPlaceCase):
     def __init__(self, buffers: _Buffers, block: int) -> None:
         self._b = buffers
         self.input = buffers.place(data_input(buffers.rank, block))
-        self.output = torch.empty(block * buffers.world_size, dtype=buffers.dtype,
-                                  device=buffers.device)
+        self.output = buffers.empty(block * buffers.world_size)
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "AllGatherCase":
-        return cls(_Buffers(rank, world_size, dtype, device),
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "AllGatherCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered),
                    _block_count(nbytes, dtype, world_size))
 
     @property
@@ -290,13 +303,14 @@ class ReduceScatterCase(_OutOfPlaceCase):
         self._b = buffers
         self._redop = redop
         self.input = buffers.place(reduce_input(buffers.rank, block * buffers.world_size, redop))
-        self.output = torch.empty(block, dtype=buffers.dtype, device=buffers.device)
+        self.output = buffers.empty(block)
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "ReduceScatterCase":
-        return cls(_Buffers(rank, world_size, dtype, device),
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "ReduceScatterCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered),
                    _block_count(nbytes, dtype, world_size), redop)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
@@ -317,13 +331,14 @@ class AllToAllCase(_OutOfPlaceCase):
     def __init__(self, buffers: _Buffers, block: int) -> None:
         self._b = buffers
         self.input = buffers.place(data_input(buffers.rank, block * buffers.world_size))
-        self.output = torch.empty_like(self.input)
+        self.output = buffers.empty(self.input.numel())
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "AllToAllCase":
-        return cls(_Buffers(rank, world_size, dtype, device),
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "AllToAllCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered),
                    _block_count(nbytes, dtype, world_size))
 
     def bind(self, peer: Peer) -> Callable[[], None]:
@@ -345,13 +360,14 @@ class SendRecvCase(_OutOfPlaceCase):
     def __init__(self, buffers: _Buffers, count: int) -> None:
         self._b = buffers
         self.input = buffers.place(data_input(buffers.rank, count))
-        self.output = torch.empty_like(self.input)
+        self.output = buffers.empty(self.input.numel())
         self.reset()
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "SendRecvCase":
-        return cls(_Buffers(rank, world_size, dtype, device), nbytes // dtype.itemsize)
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "SendRecvCase":
+        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize)
 
     def _neighbour(self, step: int) -> int:
         return (self._b.rank + step) % self._b.world_size
@@ -373,7 +389,8 @@ class BarrierCase:
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int) -> "BarrierCase":
+                world_size: int, redop: str, root: int, registered: bool = False
+                ) -> "BarrierCase":
         return cls()
 
     def reset(self) -> None:
@@ -386,9 +403,9 @@ class BarrierCase:
         raise NotImplementedError("a barrier has no output to check (SIZELESS_OPS)")
 
 
-CaseFactory = Callable[[int, torch.dtype, torch.device, int, int, str, int], Case]
-"""``prepare(nbytes, dtype, device, rank, world_size, redop, root)``: buffers of about ``nbytes``.
-"""
+CaseFactory = Callable[..., Case]
+"""``prepare(nbytes, dtype, device, rank, world_size, redop, root, registered=False)``: buffers
+of about ``nbytes``, in pyddp's registered memory if ``registered``."""
 
 OPS: dict[str, CaseFactory] = {
     "all_reduce": AllReduceCase.prepare,

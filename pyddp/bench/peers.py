@@ -64,6 +64,8 @@ class Peer(Protocol):
     detail: str
     checked: bool
     """Whether its outputs are the collective's, which --check compares with the reference."""
+    registered: bool
+    """Whether its buffers are in pyddp's registered memory (pyddp.empty) instead of torch's."""
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
         """Why this peer cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
@@ -163,6 +165,7 @@ class _TorchGroupCalls:
     """Bound collectives through torch.distributed on ``self._group`` (None: the default)."""
 
     checked: ClassVar[bool] = True
+    registered: ClassVar[bool] = False
 
     _group: Optional[dist.ProcessGroup]
     device: torch.device
@@ -268,6 +271,7 @@ class _PyddpPeer:
     """
 
     checked: ClassVar[bool] = True
+    registered: ClassVar[bool] = False
 
     name: ClassVar[str]
     _transport: ClassVar[str]
@@ -363,6 +367,18 @@ class PyddpShmPeer(_PyddpPeer):
         return "auto" if ctx.hosts > 1 else cls._transport
 
 
+class PyddpRegisteredPeer(PyddpShmPeer):
+    """pyddp over shared memory on buffers in its registered memory (pyddp.empty), which the
+    peers read where they lie; the same group as ``pyddp`` otherwise."""
+
+    name = "pyddp_registered"
+    registered = True
+
+    def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
+        super().__init__(group, device)
+        self.detail += "; buffers in registered memory"
+
+
 class PyddpIpcRingPeer(_PyddpPeer):
     """pyddp over CUDA IPC, ring algorithm."""
 
@@ -430,6 +446,7 @@ class MpiPeer:
     """
 
     checked: ClassVar[bool] = True
+    registered: ClassVar[bool] = False
 
     name: ClassVar[str] = "mpi"
     device = torch.device("cpu")
@@ -526,6 +543,7 @@ class DeepSpeedShmPeer:
     """
 
     checked: ClassVar[bool] = True
+    registered: ClassVar[bool] = False
 
     name: ClassVar[str] = "deepspeed"
     device = torch.device("cpu")
@@ -636,6 +654,7 @@ class LimitPeer:
     device = torch.device("cpu")
     detail = "every rank copies the largest buffer once, all at once"
     checked: ClassVar[bool] = False
+    registered: ClassVar[bool] = False
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
@@ -685,7 +704,7 @@ class LimitPeer:
 
 PEERS: dict[str, type] = {
     cls.name: cls for cls in (
-        PyddpShmPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
+        PyddpShmPeer, PyddpRegisteredPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
         TorchNcclPeer, PyddpIpcRingPeer, PyddpIpcDirectPeer, PyddpNcclPeer,
         PyddpNcclRingPeer)
 }

@@ -141,14 +141,16 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                 for op in plan.ops:
                     if op in SIZELESS_OPS and size != plan.sizes[0]:
                         continue
-                    cases: dict[torch.device, Case] = {}
+                    # Peers share the buffers of their device and kind of memory.
+                    cases: dict[tuple[torch.device, bool], Case] = {}
                     for peer in active[op]:
-                        if peer.device not in cases:
-                            cases[peer.device] = OPS[op](
+                        where = (peer.device, peer.registered)
+                        if where not in cases:
+                            cases[where] = OPS[op](
                                 size, dtype, peer.device, launch.rank, launch.world_size,
-                                plan.redop, plan.root)
-                    yield from _measure(op, [_Point(op, cases[b.device], b) for b in active[op]],
-                                        plan)
+                                plan.redop, plan.root, registered=peer.registered)
+                    points = [_Point(op, cases[(b.device, b.registered)], b) for b in active[op]]
+                    yield from _measure(op, points, plan)
     finally:
         dist.destroy_process_group()
 
