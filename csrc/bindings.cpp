@@ -15,11 +15,11 @@
 
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
+#include "backend/registered_tensors.h"
 #include "backend/ring_engine.h"
 #include "common/check.h"
 #include "common/config.h"
 #include "common/interrupt.h"
-#include "transport/registered.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_engine.h"
@@ -309,25 +309,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
 
-  m.def(
-      "empty_registered",
-      [](std::vector<int64_t> sizes, at::ScalarType dtype) {
-        for (int64_t d : sizes) PYDDP_CHECK_VALUE(d >= 0, "empty: negative size in ", sizes);
-        const auto bytes = static_cast<size_t>(c10::multiply_integers(sizes)) *
-                           c10::elementSize(dtype);
-        void* data = registered::allocate(bytes);
-        return at::from_blob(data, sizes, [](void* p) { registered::release(p); },
-                             at::TensorOptions().dtype(dtype).device(at::kCPU));
-      },
-      py::arg("size"), py::arg("dtype"),
-      "A contiguous CPU tensor in registered memory, zero-filled.");
-  m.def(
-      "is_registered",
-      [](const at::Tensor& t) {
-        return t.device().is_cpu() && t.is_contiguous() &&
-               registered::locate(t.data_ptr(), t.nbytes()).serial != 0;
-      },
-      py::arg("tensor"), "Whether `tensor` is contiguous and wholly in registered memory.");
+  m.def("empty_registered", &emptyRegistered, py::arg("size"), py::arg("dtype"),
+        "A contiguous CPU tensor in registered memory, zero-filled.");
+  m.def("is_registered", &isRegistered, py::arg("tensor"),
+        "Whether `tensor` is contiguous and wholly in registered memory.");
 
   // Every entry point takes async_op and an optional per-call timeout.
   using Timeout = std::optional<std::chrono::milliseconds>;

@@ -3,15 +3,15 @@
 A collective on CPU tensors normally copies each rank's data into shared memory (a staging
 buffer or ring slot) for the peers to read. A tensor made by :func:`empty` already lies in
 memory the peers can map (an anonymous memfd per tensor, reached through
-``/proc/<pid>/fd``), so ``all_reduce``, ``all_gather`` and ``broadcast`` of at least 64 KiB
-per rank read it in place when every tensor they read is registered, as NCCL's user-buffer
-registration does for GPUs: one copy fewer, at the price of two meetings more, which is why
-small messages keep the staged path. A collective whose tensors are not all registered runs
+``/proc/<pid>/fd``), so ``all_gather`` and ``broadcast`` of 64 KiB to 8 MiB per rank, and
+``all_reduce`` of 512 KiB to 8 MiB, read it in place when every tensor they read is registered,
+as NCCL's user-buffer registration does for GPUs: one copy fewer, at the price of one meeting
+more (two for ``all_reduce``), which is why the other sizes keep the staged path. A collective whose tensors are not all registered runs
 as it would without them, with the same result.
 
 Allocate registered tensors once and reuse them (DDP's buckets are such tensors): each one
-costs a few system calls to make, and a peer keeps up to 64 of a rank's registered tensors
-mapped after their last use, so memory freed on one rank is returned once its peers have
+costs a few system calls to make and holds a file descriptor while it lives, and a peer keeps
+up to 64 of a rank's registered allocations mapped per group after their last use, so memory freed on one rank is returned once its peers have
 mapped newer ones or left the group.
 """
 

@@ -34,11 +34,22 @@ def maps_made() -> int:
     return _testing.registered_maps_made()
 
 
+def _group(ctx: RankContext, name: str, **opts) -> pyddp.ProcessGroup:
+    options = pyddp.RingOptions()
+    for key, value in opts.items():
+        setattr(options, key, value)
+    store = dist.FileStore(ctx.store_path(name), ctx.world_size)
+    return pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                           timeout=datetime.timedelta(seconds=60), options=options)
+
+
 def _setup(ctx: RankContext) -> None:
-    store = dist.FileStore(ctx.store_path("auto"), ctx.world_size)
-    ctx.groups["auto"] = pyddp.new_group("shm", store=store, rank=ctx.rank,
-                                         world_size=ctx.world_size,
-                                         timeout=datetime.timedelta(seconds=60))
+    ctx.groups["auto"] = _group(ctx, "auto")
+    # Forced algorithms run as forced, and a group without staging buffers
+    # has no room to say where its tensors lie: neither reads in place.
+    ctx.groups["ring"] = _group(ctx, "ring", algo=pyddp.Algo.RING)
+    ctx.groups["no_staging"] = _group(ctx, "no_staging", direct_max_bytes=0,
+                                      two_shot_max_bytes=0)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
@@ -75,8 +86,8 @@ def test_empty_makes_zeroed_registered_tensors():
         assert int(u[-1]) == i % 256
 
 
-def _all_reduce(ctx, dtype, op, registered_on, count=None):
-    n, group = ctx.world_size, ctx.groups["auto"]
+def _all_reduce(ctx, dtype, op, registered_on, count=None, group_name="auto"):
+    n, group = ctx.world_size, ctx.groups[group_name]
     count = count or all_reduce_count(dtype)
     inputs = [make_input(r, count, dtype, op) for r in range(n)]
     mine = inputs[ctx.rank].clone()
@@ -152,8 +163,8 @@ def test_all_gather_reads_registered_inputs(ranks, form):
     assert ranks.run(_all_gather, [1], form) == [0] * n
 
 
-def _broadcast(ctx, root, registered_on, count=COUNT):
-    group = ctx.groups["auto"]
+def _broadcast(ctx, root, registered_on, count=COUNT, group_name="auto"):
+    group = ctx.groups[group_name]
     data = make_input(root, count, torch.float64, salt=3)
     t = torch.zeros(count, dtype=torch.float64)
     if ctx.rank in registered_on:
@@ -173,6 +184,47 @@ def test_broadcast_reads_the_registered_root(ranks):
         maps = ranks.run(_broadcast, root, [root])
         assert maps == [0 if r == root else 1 for r in range(n)]
         assert ranks.run(_broadcast, root, [r for r in range(n) if r != root]) == [0] * n
+        assert ranks.run(_broadcast, root, range(n)) == [0 if r == root else 1 for r in range(n)]
+
+
+@pytest.mark.parametrize("group_name", ["ring", "no_staging"])
+def test_groups_that_cannot_or_must_not_read_in_place_run_as_before(ranks, group_name):
+    n, everyone = ranks.world_size, range(ranks.world_size)
+    assert ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, everyone, None,
+                     group_name) == [(0, 0)] * n
+    assert ranks.run(_broadcast, 0, everyone, COUNT, group_name) == [0] * n
+
+
+def _all_gather_from_block_zero(ctx):
+    # Every rank's input is block 0 of its output, a peer's block but on rank 0.
+    n = ctx.world_size
+    out = pyddp.empty(n * COUNT, dtype=torch.float32)
+    out.copy_(torch.cat([make_input(ctx.rank, COUNT, torch.float32, salt=b) for b in range(n)]))
+    before = maps_made()
+    pyddp.all_gather_into_tensor(out, out[:COUNT], group=ctx.groups["auto"])
+    expected = torch.cat([make_input(r, COUNT, torch.float32, salt=0) for r in range(n)])
+    check_equal(out, expected, "all_gather of an input that is a peer's block")
+    return maps_made() - before
+
+
+def test_an_input_that_overlaps_a_peers_output_block_is_not_read_in_place(ranks):
+    assert ranks.run(_all_gather_from_block_zero) == [0] * ranks.world_size
+
+
+def _disagree(ctx):
+    # Rank 0 would read in place, the others run the ring: the descriptors differ.
+    algo = pyddp.Algo.AUTO if ctx.rank == 0 else pyddp.Algo.RING
+    group = _group(ctx, f"disagree{ctx.world_size}", algo=algo)
+    t = registered_copy(make_input(ctx.rank, all_reduce_count(torch.float32), torch.float32))
+    try:
+        with pytest.raises(dist.DistBackendError, match="registered"):
+            pyddp.all_reduce(t, group=group)
+    finally:
+        pyddp.destroy_process_group(group)
+
+
+def test_ranks_that_would_choose_differently_fail_naming_it(ranks):
+    ranks.run(_disagree)
 
 
 def _fresh_tensors(ctx, rounds):

@@ -71,10 +71,10 @@ void barrier(const Call& c);
 
 // Registered memory (transport/registered.h): peers read a tensor where it
 // lies, so the copy into and out of a staging buffer or ring slot becomes
-// one copy. Each such collective costs two meetings more than its staged
-// one-round form (every rank learns where the others' tensors are, and
-// waits until no peer reads its tensor any more), so it pays for larger
-// messages only.
+// one copy. It meets its peers more often than a staged one-round form
+// (all-gather and broadcast once more: no rank leaves while a peer reads
+// its tensor; all-reduce twice, its blocks are reduced before they are
+// read), so it pays for larger messages only.
 
 // The tensors a registered collective reads, as this rank reaches them:
 // its own where it is, a peer's mapped read-only. Empty when one of them

@@ -171,14 +171,19 @@ Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
   return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
 }
 
+Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
+  const PeerMemory* mem = transport_->peerMemory();
+  const bool reads = cpuExec_ && options_.algo == Algo::Auto && readsRegistered(kind, bytes) &&
+                     mem && mem->mapsRegistered() &&
+                     mem->capacityBytes() >= sizeof(registered::Ref);
+  return reads ? Algo::Registered : fallback;
+}
+
 template <typename Run>
 bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root,
                                Run&& run) {
+  if (c.desc.algo != Algo::Registered) return false;
   PeerMemory* mem = transport_->peerMemory();
-  if (!cpuExec_ || options_.algo != Algo::Auto || !readsRegistered(c.desc.kind, bytes) ||
-      !mem || !mem->mapsRegistered()) {
-    return false;
-  }
   const algorithms::RegisteredView view = algorithms::arriveRegistered(c, *mem, mine, bytes, root);
   c.arrived = true;
   if (!view.usable()) return false;
@@ -189,7 +194,17 @@ bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t byt
 void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataType dtype,
                                  const void* in, c10::ArrayRef<void*> blocks, size_t count) {
   algorithms::Call c = call;
-  if (ranRegistered(c, in, count * elementSize(dtype), -1,
+  const size_t bytes = count * elementSize(dtype);
+  // An input that overlaps a peer's block of the output would be written
+  // while the peers read it: this rank then offers no registered input, and
+  // every rank takes the other algorithm.
+  const auto* first = static_cast<const char*>(in);
+  bool overlaps = false;
+  for (int b = 0; b < size_; ++b) {
+    const auto* block = static_cast<const char*>(blocks[b]);
+    overlaps |= b != rank_ && first < block + bytes && block < first + bytes;
+  }
+  if (ranRegistered(c, overlaps ? nullptr : in, bytes, -1,
                     [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
                       algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
                     })) {
@@ -217,7 +232,9 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
   const size_t count = buf.numel();
   const Algo algo = allReduceAlgo(count * elementSize(s.dtype));
   return submit(
-      makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1, algo), outputs,
+      makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1,
+               registeredOr(CollectiveKind::AllReduce, count * elementSize(s.dtype), algo)),
+      outputs,
       {buf},
       [=, this](const algorithms::Call& call) {
         void* data = buf.data_ptr();
@@ -294,7 +311,8 @@ WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, D
   const size_t es = elementSize(dtype);
   const Algo algo = gatherAlgo(count * es);
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo),
+      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1,
+               registeredOr(CollectiveKind::AllGather, count * es, algo)),
       outputs, {in, out},
       [=, this](const algorithms::Call& c) {
         algorithms::RankPtrs blocks(size_);
@@ -315,8 +333,9 @@ WorkPtr RingEngine::allGatherList(const std::vector<at::Tensor>& outputs,
   const at::Tensor in = dense(input);
   const Algo algo = gatherAlgo(count * elementSize(dtype));
   return submit(
-      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1, algo), outputs,
-      withInput(outs, in),
+      makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1,
+               registeredOr(CollectiveKind::AllGather, count * elementSize(dtype), algo)),
+      outputs, withInput(outs, in),
       [=, this](const algorithms::Call& c) {
         algorithms::RankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
@@ -374,7 +393,9 @@ WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallO
   const size_t count = tensor.numel();
   const at::Tensor buf = dense(tensor);
   return submit(
-      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src), {tensor}, {buf},
+      makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src,
+               registeredOr(CollectiveKind::Broadcast, count * elementSize(dtype), Algo::Ring)),
+      {tensor}, {buf},
       [=, this](const algorithms::Call& call) {
         void* data = buf.data_ptr();
         const size_t bytes = count * elementSize(dtype);

@@ -124,12 +124,15 @@ class RingEngine final : public Engine {
   Algo gatherAlgo(size_t stagedBytes) const;
   void allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype, const void* in,
                        c10::ArrayRef<void*> blocks, size_t count);
-  // Registered memory: a collective of `bytes` per rank whose tensors are
-  // read where they lie when every one read is registered. Every rank
-  // decides alike: CPU tensors, algo auto, peers' memory mapped, a size
-  // readsRegistered() takes. Runs `run(view)` and returns true when it does;
-  // returns false when the collective takes another algorithm, with `c`
-  // marked arrived if it arrived here.
+  // Registered memory: a collective of `kind` on `bytes` per rank may read
+  // its tensors where they lie (descriptor algo Registered, compared across
+  // ranks) on the CPU under algo auto, with peers' memory mapped and staging
+  // room for a registered::Ref, at a size readsRegistered() takes; else it
+  // runs `fallback`.
+  Algo registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const;
+  // For a collective whose descriptor says Registered: runs `run(mem, view)`
+  // and returns true when every tensor it reads is registered; else returns
+  // false, with `c` marked arrived if it arrived here.
   template <typename Run>
   bool ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root, Run&& run);
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;

@@ -29,7 +29,11 @@ enum class RedOp : int32_t { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4 };
 // How an all-reduce runs: by size (Auto), or forced. Direct is the one-shot
 // algorithm (every rank reduces the whole message from every rank's staged
 // copy); TwoShot reduces one block per rank, then gathers the blocks.
-enum class Algo : int32_t { Auto = 0, Ring = 1, Direct = 2, TwoShot = 3 };
+// Registered is never an option, only a descriptor's: the collective reads
+// registered tensors in place if every one it reads is registered, else
+// runs the algorithm its size picks (algorithms::arriveRegistered), so the
+// ranks' choice to try is compared as every other field is.
+enum class Algo : int32_t { Auto = 0, Ring = 1, Direct = 2, TwoShot = 3, Registered = 4 };
 
 enum class CollectiveKind : int32_t {
   AllReduce = 0,
@@ -105,6 +109,7 @@ inline const char* toString(Algo a) {
     case Algo::Ring: return "ring";
     case Algo::Direct: return "direct";
     case Algo::TwoShot: return "two_shot";
+    case Algo::Registered: return "registered";
   }
   return "unknown";
 }

@@ -40,6 +40,8 @@ Registry& registry() {
 
 std::atomic<uint64_t> mapsMadeCount{0};
 
+constexpr int kSizeSeals = F_SEAL_SHRINK | F_SEAL_GROW;
+
 size_t wholePages(size_t bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return std::max<size_t>(page, (bytes + page - 1) / page * page);
@@ -53,13 +55,15 @@ std::string errnoText() {
 
 void* allocate(size_t bytes) {
   const size_t length = wholePages(bytes);
-  const int fd = memfd_create("pyddp-registered", MFD_CLOEXEC);
+  const int fd = memfd_create("pyddp-registered", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   PYDDP_CHECK(fd >= 0, "registered memory: memfd_create: ", errnoText());
   struct stat st;
   // 0600, as every segment a peer maps (shm::segmentProblem); ftruncate,
   // not posix_fallocate: memfd pages come from the page cache, not /dev/shm.
+  // Sealed at that size, so no process can shrink it under a peer's
+  // mapping (which would fault at the first read past the end).
   if (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(length)) != 0 ||
-      fstat(fd, &st) != 0) {
+      fcntl(fd, F_ADD_SEALS, kSizeSeals | F_SEAL_SEAL) != 0 || fstat(fd, &st) != 0) {
     const std::string why = errnoText();
     close(fd);
     PYDDP_CHECK(false, "registered memory: cannot make ", length, " bytes: ", why);
@@ -133,6 +137,9 @@ const void* PeerMaps::map(const Ref& ref, size_t bytes, int pid, int peer) {
     problem = "fstat: " + errnoText();
   } else if (static_cast<uint64_t>(st.st_ino) != ref.inode) {
     problem = "it is not the allocation rank " + std::to_string(peer) + " named";
+  } else if (const int seals = fcntl(fd, F_GET_SEALS);
+             seals < 0 || (seals & kSizeSeals) != kSizeSeals) {
+    problem = "its size is not sealed";
   } else {
     problem = shm::segmentProblem(st.st_uid, st.st_mode, st.st_size, ref.mapBytes, geteuid());
   }

@@ -41,8 +41,9 @@ constexpr size_t kCacheLine = 64;
 constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // The layout and the protocol below: builds that read the same flags
-// differently (3: an arrival may publish a staged round) do not connect.
-constexpr uint32_t kLayoutVersion = 3;
+// differently (3: an arrival may publish a staged round; 4: the round an
+// arrival publishes may hold a registered::Ref) do not connect.
+constexpr uint32_t kLayoutVersion = 4;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 

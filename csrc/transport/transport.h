@@ -74,7 +74,8 @@ class LocalOps {
   virtual ~LocalOps() = default;
   // dst = src, bytes long (a no-op when dst == src).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
-  // dst = finish(src[0] op ... op src[nsrc-1]), in source order.
+  // dst = finish(src[0] op ... op src[nsrc-1]), in source order; dst may be
+  // one of the sources (the registered all-reduce reduces in place).
   virtual void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,
                        int nsrc, size_t count) = 0;
 };
