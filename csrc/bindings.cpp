@@ -386,7 +386,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<RingEngine, Engine, c10::intrusive_ptr<RingEngine>>(
       m, "RingEngine", "pyddp's ring and direct algorithms over a transport.")
-      .def_property_readonly("options", &RingEngine::options);
+      .def_property_readonly("options", &RingEngine::options)
+      .def_property_readonly("registered_refusal", &RingEngine::registeredRefusal,
+                             "Why this engine never reads registered tensors (pyddp.empty) "
+                             "in place; \"\" if it does at the sizes that measured faster.");
 #ifdef PYDDP_WITH_CUDA
   py::class_<NcclEngine, Engine, c10::intrusive_ptr<NcclEngine>>(
       m, "NcclEngine", "NCCL's own collectives.")

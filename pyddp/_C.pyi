@@ -92,6 +92,9 @@ class Engine(Backend):
 class RingEngine(Engine):
     @property
     def options(self) -> RingOptions: ...
+    @property
+    def registered_refusal(self) -> str:
+        """Why registered tensors are never read in place; "" if they are."""
 
 class NcclEngine(Engine):  # CUDA builds only
     @property

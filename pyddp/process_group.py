@@ -195,6 +195,10 @@ class ProcessGroup:
         self._engines[device.type] = engine
         self._engine_list = tuple(self._engines.values())
         if device.type == "cpu":
+            refusal = engine.registered_refusal if isinstance(engine, _C.RingEngine) else (
+                "the engine does not read registered tensors in place")
+            logger.info("%s: registered tensors (pyddp.empty): %s", who,
+                        f"read through staging: {refusal}" if refusal else "read in place")
             self._cpu_engine = engine
             now = engine.direct_entries()
             self._all_reduce_now = now["all_reduce"]

@@ -8,7 +8,10 @@ path maps each peer tensor it reads the first time, the others map none.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import logging
+import os
 
 import pytest
 import torch
@@ -246,3 +249,74 @@ def test_fresh_tensors_every_call_are_each_mapped_and_the_oldest_unmapped(ranks)
     rounds = MAPS_PER_PEER + 6
     n = ranks.world_size
     assert ranks.run(_fresh_tensors, rounds) == [rounds * (n - 1)] * n
+
+
+NOBODY = 65534
+PR_SET_DUMPABLE = 4
+
+
+def _as_nobody_rank_1_closed(ctx: RankContext) -> None:
+    # A process whose user changes is made non-dumpable (prctl(2)), which
+    # closes its /proc/<pid>/fd to the other processes of that user. Rank 0
+    # opens itself again; rank 1 stays closed: rank 1 can map rank 0's
+    # memory, rank 0 cannot map rank 1's.
+    os.chmod(ctx.tmpdir, 0o777)  # the stores' files
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    if ctx.rank == 0:
+        assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) == 0
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _one_rank_closed(ctx):
+    logger = logging.getLogger("pyddp")
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        ctx.groups["auto"] = _group(ctx, "auto")
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    said = [m for m in records.messages if "registered tensors" in m]
+    n, everyone = ctx.world_size, range(ctx.world_size)
+    # Both ranks read through staging, with right results, mapping nothing.
+    maps = [_all_reduce(ctx, torch.float32, ReduceOp.SUM, everyone),
+            _all_gather(ctx, everyone, "single"), _broadcast(ctx, 1, everyone)]
+    return said, maps
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making ranks of another user needs root")
+def test_a_rank_that_cannot_map_a_peers_memory_makes_the_group_read_through_staging():
+    pool = Ranks(2, setup=_as_nobody_rank_1_closed)
+    try:
+        (said0, maps0), (said1, maps1) = pool.run(_one_rank_closed)
+    finally:
+        pool.close()
+    assert maps0 == maps1 == [(0, 0), 0, 0]
+    assert len(said0) == len(said1) == 1
+    assert "read through staging: cannot open rank 1's registered memory" in said0[0]
+    assert "Permission denied" in said0[0]
+    assert "read through staging: rank 0 cannot map every peer's registered memory" in said1[0]
+
+
+def _says(ctx):
+    return ctx.groups["auto"]._cpu_engine.registered_refusal, \
+        ctx.groups["ring"]._cpu_engine.registered_refusal, \
+        ctx.groups["no_staging"]._cpu_engine.registered_refusal
+
+
+def test_the_groups_say_why_they_do_not_read_in_place(ranks):
+    for auto, ring, no_staging in ranks.run(_says):
+        assert auto == ""
+        assert ring == "algo is ring, not auto"
+        assert "no staging buffers" in no_staging

@@ -77,6 +77,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   bootstrap::connect(*transport_, *store, rank, size, Ms(options_.timeoutMs));
   link_ = transport_->messages(std::make_shared<bootstrap::StoreDirectory>(store));
   if (link_) p2p_ = std::make_unique<P2pExecutor>(rank, *link_);
+  registeredRefusal_ = whyNotReadRegistered();
   startExecutor();
 }
 
@@ -171,12 +172,23 @@ Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
   return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
 }
 
-Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
+std::string RingEngine::whyNotReadRegistered() const {
   const PeerMemory* mem = transport_->peerMemory();
-  const bool reads = cpuExec_ && options_.algo == Algo::Auto && readsRegistered(kind, bytes) &&
-                     mem && mem->mapsRegistered() &&
-                     mem->capacityBytes() >= sizeof(registered::Ref);
-  return reads ? Algo::Registered : fallback;
+  if (!cpuExec_) return "registered memory is CPU memory";
+  if (options_.algo != Algo::Auto) {
+    return std::string("algo is ") + toString(options_.algo) + ", not auto";
+  }
+  if (!mem) return transport_->name() + std::string(" does not map peers' memory");
+  if (mem->capacityBytes() < sizeof(registered::Ref)) {
+    return "no staging buffers to say where the tensors lie (direct_max_bytes and "
+           "two_shot_max_bytes are 0)";
+  }
+  return mem->whyNotMapRegistered();
+}
+
+Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
+  return registeredRefusal_.empty() && readsRegistered(kind, bytes) ? Algo::Registered
+                                                                    : fallback;
 }
 
 template <typename Run>

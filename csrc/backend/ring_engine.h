@@ -39,6 +39,9 @@ class RingEngine final : public Engine {
 
   const std::string getBackendName() const override { return "pyddp"; }
   const RingOptions& options() const { return options_; }
+  // Why this engine never reads registered tensors in place ("" if it may,
+  // at the sizes readsRegistered() takes): the same on every rank.
+  const std::string& registeredRefusal() const { return registeredRefusal_; }
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
@@ -126,10 +129,12 @@ class RingEngine final : public Engine {
                        c10::ArrayRef<void*> blocks, size_t count);
   // Registered memory: a collective of `kind` on `bytes` per rank may read
   // its tensors where they lie (descriptor algo Registered, compared across
-  // ranks) on the CPU under algo auto, with peers' memory mapped and staging
-  // room for a registered::Ref, at a size readsRegistered() takes; else it
-  // runs `fallback`.
+  // ranks) unless registeredRefusal() says why not, at a size
+  // readsRegistered() takes; else it runs `fallback`.
   Algo registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const;
+  // Set once connected: on the CPU, under algo auto, with staging room for
+  // a registered::Ref and every peer's memory mapped.
+  std::string whyNotReadRegistered() const;
   // For a collective whose descriptor says Registered: runs `run(mem, view)`
   // and returns true when every tensor it reads is registered; else returns
   // false, with `c` marked arrived if it arrived here.
@@ -148,6 +153,7 @@ class RingEngine final : public Engine {
   std::unique_ptr<Transport> transport_;
   MessageLink* link_ = nullptr;  // transport_'s, where it has messages
   std::unique_ptr<P2pExecutor> p2p_;
+  std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
 };
 
 } // namespace pyddp

@@ -112,27 +112,27 @@ PeerMaps::~PeerMaps() {
   for (const Mapping& m : maps_) munmap(m.base, m.bytes);
 }
 
-const void* PeerMaps::map(const Ref& ref, size_t bytes, int pid, int peer) {
-  const auto at = [&](const Mapping& m) {
-    return static_cast<const char*>(m.base) + ref.offset;
-  };
-  PYDDP_CHECK(ref.pid == pid && ref.fd >= 0 && ref.offset <= ref.mapBytes &&
-                  bytes <= ref.mapBytes - ref.offset,
-              "rank ", peer, " (pid ", pid, ") named ", bytes, " bytes at offset ", ref.offset,
-              " of ", ref.mapBytes, " bytes of pid ", ref.pid, "'s registered memory (fd ",
-              ref.fd, "): not its own, or not that long");
-  for (auto it = maps_.begin(); it != maps_.end(); ++it) {
-    if (it->serial != ref.serial || it->inode != ref.inode || it->bytes != ref.mapBytes) continue;
-    maps_.splice(maps_.begin(), maps_, it);  // most recently used first
-    return at(maps_.front());
+namespace {
+
+// What `ref` names, mapped read-only, once it proves to be that much of
+// process `pid`'s registered memory of this user; MAP_FAILED and `problem`
+// set if it does not, or cannot be opened.
+void* mapChecked(const Ref& ref, int pid, int peer, std::string& problem) {
+  if (ref.pid != pid || ref.fd < 0 || ref.serial == 0) {
+    problem = "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") named fd " +
+        std::to_string(ref.fd) + " of pid " + std::to_string(ref.pid) +
+        ": not its own registered memory";
+    return MAP_FAILED;
   }
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(ref.fd);
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  PYDDP_CHECK(fd >= 0, "cannot open rank ", peer, "'s registered tensor (", path,
-              "): ", errnoText(), "; its tensors must be readable by the processes of this "
-              "group (the same user and pid namespace)");
+  if (fd < 0) {
+    problem = "cannot open rank " + std::to_string(peer) + "'s registered memory (" + path +
+        "): " + errnoText() + "; it must be readable by the processes of this group (the "
+        "same user and pid namespace, and a process that may be traced: dumpable)";
+    return MAP_FAILED;
+  }
   struct stat st;
-  std::string problem;
   if (fstat(fd, &st) != 0) {
     problem = "fstat: " + errnoText();
   } else if (static_cast<uint64_t>(st.st_ino) != ref.inode) {
@@ -148,8 +148,39 @@ const void* PeerMaps::map(const Ref& ref, size_t bytes, int pid, int peer) {
       : MAP_FAILED;
   if (problem.empty() && base == MAP_FAILED) problem = "mmap: " + errnoText();
   close(fd);
-  PYDDP_CHECK(problem.empty(), "will not map rank ", peer, "'s registered tensor (", path,
-              "): ", problem);
+  if (!problem.empty()) {
+    problem = "will not map rank " + std::to_string(peer) + "'s registered memory (" + path +
+        "): " + problem;
+  }
+  return base;
+}
+
+} // namespace
+
+std::string whyNotMappable(const Ref& ref, int pid, int peer) {
+  std::string problem;
+  void* base = mapChecked(ref, pid, peer, problem);
+  if (base != MAP_FAILED) munmap(base, ref.mapBytes);
+  return problem;
+}
+
+const void* PeerMaps::map(const Ref& ref, size_t bytes, int pid, int peer) {
+  const auto at = [&](const Mapping& m) {
+    return static_cast<const char*>(m.base) + ref.offset;
+  };
+  PYDDP_CHECK(ref.pid == pid && ref.fd >= 0 && ref.offset <= ref.mapBytes &&
+                  bytes <= ref.mapBytes - ref.offset,
+              "rank ", peer, " (pid ", pid, ") named ", bytes, " bytes at offset ", ref.offset,
+              " of ", ref.mapBytes, " bytes of pid ", ref.pid, "'s registered memory (fd ",
+              ref.fd, "): not its own, or not that long");
+  for (auto it = maps_.begin(); it != maps_.end(); ++it) {
+    if (it->serial != ref.serial || it->inode != ref.inode || it->bytes != ref.mapBytes) continue;
+    maps_.splice(maps_.begin(), maps_, it);  // most recently used first
+    return at(maps_.front());
+  }
+  std::string problem;
+  void* base = mapChecked(ref, pid, peer, problem);
+  PYDDP_CHECK(base != MAP_FAILED, problem);
   if (maps_.size() == kMapsPerPeer) {
     munmap(maps_.back().base, maps_.back().bytes);
     maps_.pop_back();

@@ -49,6 +49,10 @@ void release(void* data);
 // process; a Ref with serial 0 if not. Thread-safe.
 Ref locate(const void* data, size_t bytes);
 
+// "" if this process can map what `ref` names (rank `peer`'s memory, pid
+// `pid`), else why not: what PeerMaps::map would throw. Maps and unmaps it.
+std::string whyNotMappable(const Ref& ref, int pid, int peer);
+
 // One peer's allocations mapped into this process, most recently used
 // first, at most kMapsPerPeer: a peer's tensor freed long ago is unmapped
 // once newer ones push it out, or with the PeerMaps. A collective maps at

@@ -40,6 +40,7 @@ struct Blob {
   size_t slotBytes = 0;
   int numSlots = 0;
   size_t directBytes = 0;
+  registered::Ref probe;  // serial 0: the rank could not make one
 };
 
 std::string encodeBlob(const Blob& b) {
@@ -52,15 +53,22 @@ std::string encodeBlob(const Blob& b) {
       .put("slot_bytes", b.slotBytes)
       .put("num_slots", b.numSlots)
       .put("staging_bytes", b.directBytes)
+      .put("probe_serial", b.probe.serial)
+      .put("probe_inode", b.probe.inode)
+      .put("probe_bytes", b.probe.mapBytes)
+      .put("probe_fd", b.probe.fd)
       .str();
 }
 
 Blob decodeBlob(const std::string& text, int peer) {
   const BlobReader r(text, "rank " + std::to_string(peer) + "'s shm bootstrap blob");
-  return Blob{r.str("segment"),         r.str("host"),
-              r.str("pid_namespace"),   r.get<int>("pid"),
-              r.get<size_t>("bytes"),   r.get<size_t>("slot_bytes"),
-              r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
+  Blob b{r.str("segment"),         r.str("host"),
+         r.str("pid_namespace"),   r.get<int>("pid"),
+         r.get<size_t>("bytes"),   r.get<size_t>("slot_bytes"),
+         r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
+  b.probe = registered::Ref{r.get<uint64_t>("probe_serial"), r.get<uint64_t>("probe_inode"),
+                            r.get<uint64_t>("probe_bytes"), 0, b.pid, r.get<int32_t>("probe_fd")};
+  return b;
 }
 
 // What a slot holds: sendPartial sends elements, recvReduceSend partials.
@@ -87,6 +95,7 @@ ShmTransport::~ShmTransport() {
   // The channels first: their teardown asks this transport about peers.
   messages_.reset();
   if (linked_) shm_unlink(ownName_.c_str());
+  if (probe_) registered::release(probe_);
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
   }
@@ -151,8 +160,18 @@ std::string ShmTransport::setup() {
   h->directBytes = directBytes_;
   own.pid = h->pid;
   own.pidVisible = true;
-  return encodeBlob(Blob{ownName_, hostId_, pidNamespace_, h->pid, bytes, slotBytes_,
-                          numSlots_, directBytes_});
+  Blob blob{ownName_, hostId_, pidNamespace_, h->pid, bytes, slotBytes_, numSlots_, directBytes_};
+  // A page of registered memory for the peers to try (connect()): a rank
+  // that cannot make one still connects, and the group reads through
+  // staging.
+  try {
+    probe_ = registered::allocate(1);
+    blob.probe = registered::locate(probe_, 1);
+  } catch (const std::exception& e) {
+    registeredRefusal_ = "rank " + std::to_string(rank_) + " cannot make registered memory: " +
+        e.what();
+  }
+  return encodeBlob(blob);
 }
 
 std::string ShmTransport::whyNotConnect(int peer, const std::string& blob) const {
@@ -231,6 +250,26 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
                 h.slotBytes, " bytes), not rank ", peer, "'s (pid ", b.pid,
                 ") of this geometry (a corrupted or forged store value?)");
   }
+  // Whether this rank can map every peer's registered memory: tried on
+  // each peer's probe, told to the peers through the header.
+  const auto whyNotMapPeers = [&]() -> std::string {
+    for (int peer = 0; peer < worldSize_; ++peer) {
+      if (peer == rank_) continue;
+      const Blob& b = peers[peer];
+      if (!segments_[peer].pidVisible) {
+        return "rank " + std::to_string(peer) + " runs in another pid namespace";
+      }
+      if (b.probe.serial == 0) {
+        return "rank " + std::to_string(peer) + " cannot make registered memory";
+      }
+      std::string why = registered::whyNotMappable(b.probe, b.pid, peer);
+      if (!why.empty()) return why;
+    }
+    return "";
+  };
+  if (probe_) registeredRefusal_ = whyNotMapPeers();
+  segments_[rank_].header->mapsRegistered.store(registeredRefusal_.empty() ? 1 : 0,
+                                                 std::memory_order_release);
 }
 
 void ShmTransport::connected() {
@@ -238,6 +277,16 @@ void ShmTransport::connected() {
     shm_unlink(ownName_.c_str());
     linked_ = false;
   }
+  // Every rank has tried every probe: the group reads registered tensors
+  // in place only if all could map them.
+  for (int peer = 0; peer < worldSize_ && registeredRefusal_.empty(); ++peer) {
+    if (header(peer).mapsRegistered.load(std::memory_order_acquire) != 1) {
+      registeredRefusal_ =
+          "rank " + std::to_string(peer) + " cannot map every peer's registered memory";
+    }
+  }
+  registered::release(probe_);
+  probe_ = nullptr;
 }
 
 MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
@@ -504,13 +553,6 @@ void ShmTransport::enterStaged(const CollectiveDesc& desc, Clock::time_point dea
 
 const void* ShmTransport::peerBuffer(int rank) const {
   return segments_[rank].staging + (rounds_ % 2) * directBytes_;
-}
-
-bool ShmTransport::mapsRegistered() const {
-  for (const Segment& s : segments_) {
-    if (!s.pidVisible) return false;
-  }
-  return true;
 }
 
 const void* ShmTransport::registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {

@@ -42,8 +42,9 @@ constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // The layout and the protocol below: builds that read the same flags
 // differently (3: an arrival may publish a staged round; 4: the round an
-// arrival publishes may hold a registered::Ref) do not connect.
-constexpr uint32_t kLayoutVersion = 4;
+// arrival publishes may hold a registered::Ref; 5: mapsRegistered) do not
+// connect.
+constexpr uint32_t kLayoutVersion = 5;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
@@ -55,6 +56,8 @@ struct alignas(kCacheLine) Counter {
 static_assert(sizeof(Counter) == kCacheLine);
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "cross-process counters must be lock-free (address-free)");
+static_assert(std::atomic<uint32_t>::is_always_lock_free,
+              "cross-process flags must be lock-free (address-free)");
 
 // One descriptor per cache line, with the number of the collective it
 // describes: a rank rewrites the slot of its next collective while peers
@@ -122,6 +125,10 @@ struct alignas(kCacheLine) SegmentHeader {
   int32_t numSlots;
   uint64_t slotBytes;
   uint64_t directBytes;
+  // 1 once this rank has mapped every peer's registered memory probe
+  // (connect()); 0 if it could not. Written before the rank tells the store
+  // it connected, read by peers after every rank has (connected()).
+  std::atomic<uint32_t> mapsRegistered;
   Counter arrived;   // newest collective this rank entered
   Counter staged;    // direct rounds this rank has staged
   Counter posted;    // ring pieces this rank has written to its slots
@@ -139,6 +146,7 @@ static_assert(offsetof(SegmentHeader, magic) == 0 &&
               offsetof(SegmentHeader, pid) == 16 && offsetof(SegmentHeader, numSlots) == 20 &&
               offsetof(SegmentHeader, slotBytes) == 24 &&
               offsetof(SegmentHeader, directBytes) == 32 &&
+              offsetof(SegmentHeader, mapsRegistered) == 40 &&
               offsetof(SegmentHeader, arrived) == 64 &&
               offsetof(SegmentHeader, staged) == 128 && offsetof(SegmentHeader, posted) == 192 &&
               offsetof(SegmentHeader, consumed) == 256 && offsetof(SegmentHeader, failed) == 320 &&
@@ -205,9 +213,10 @@ class ShmTransport final : public Transport,
   void exchange() override;
   void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
   const void* peerBuffer(int rank) const override;
-  // Every rank in this process's pid namespace: their /proc/<pid>/fd is
-  // reachable from here.
-  bool mapsRegistered() const override;
+  // Agreed while connecting: every rank mapped a page of registered memory
+  // of every peer (a probe each rank makes in setup()).
+  bool mapsRegistered() const override { return registeredRefusal_.empty(); }
+  std::string whyNotMapRegistered() const override { return registeredRefusal_; }
   const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) override;
 
  private:
@@ -262,6 +271,11 @@ class ShmTransport final : public Transport,
 
   std::string ownName_;   // chosen by reserve()
   bool linked_ = false;  // own segment name still exists in /dev/shm
+  // A page of registered memory the peers map while connecting; released
+  // once every rank has connected.
+  void* probe_ = nullptr;
+  // Why this group does not read registered tensors in place ("" if it does).
+  std::string registeredRefusal_ = "the group is not connected";
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
   std::atomic<bool> abandoned_{false};  // the failure text is (being) written

@@ -102,9 +102,13 @@ class PeerMemory {
   virtual void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
   virtual const void* peerBuffer(int rank) const = 0;
   // Registered memory (transport/registered.h), for CPU tensors: whether
-  // this rank can map every peer's, and rank `rank`'s tensor that `ref`
-  // names, `bytes` long, mapped here (throws if it cannot be).
+  // every rank can map every peer's (the same answer on every rank), why
+  // not, and rank `rank`'s tensor that `ref` names, `bytes` long, mapped
+  // here (throws if it cannot be).
   virtual bool mapsRegistered() const { return false; }
+  virtual std::string whyNotMapRegistered() const {
+    return "the transport does not map peers' memory";
+  }
   virtual const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {
     PYDDP_CHECK(false, "this transport does not map registered memory");
   }
