@@ -12,6 +12,8 @@
 
 #include <climits>
 #include <memory>
+#include <tuple>
+#include <utility>
 
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
@@ -157,63 +159,33 @@ RedOp redOpArg(const char* call, PyObject* arg) {
   return static_cast<RedOp>(value);
 }
 
-// Runs `start(engine, call)` as a synchronous call (the GIL released:
-// the arguments are converted before) and returns None.
-template <typename Start>
-PyObject* runSync(PyObject* self, Start&& start) {
-  Engine& engine = engineOf(self);
-  runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) { return start(engine, c); });
-  Py_RETURN_NONE;
-}
+// What a positional argument of an entry converts to.
+struct TensorArg {
+  static const at::Tensor& from(const char* call, PyObject* arg) { return tensorArg(call, arg); }
+};
+struct OpArg {
+  static RedOp from(const char* call, PyObject* arg) { return redOpArg(call, arg); }
+};
+struct IntArg {
+  static int from(const char* call, PyObject* arg) { return intArg(call, arg); }
+};
 
-using C = const CallOptions&;
-
-PyObject* allReduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+// The entry `Name`: the engine's `Method` on positional arguments of the
+// kinds `Args`, converted in order while the GIL is held, then run as a
+// synchronous call (the GIL released); returns None.
+template <const char* Name, auto Method, typename... Args>
+PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const char* call = "all_reduce";
-  expectArgs(call, nargs, 2);
-  const at::Tensor& tensor = tensorArg(call, args[0]);
-  const RedOp op = redOpArg(call, args[1]);
-  return runSync(self, [&](Engine& e, C c) { return e.allReduce(tensor, op, c); });
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* allGatherSingle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  const char* call = "all_gather_single";
-  expectArgs(call, nargs, 2);
-  const at::Tensor& output = tensorArg(call, args[0]);
-  const at::Tensor& input = tensorArg(call, args[1]);
-  return runSync(self, [&](Engine& e, C c) { return e.allGatherSingle(output, input, c); });
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* reduceScatterSingle(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  const char* call = "reduce_scatter_single";
-  expectArgs(call, nargs, 3);
-  const at::Tensor& output = tensorArg(call, args[0]);
-  const at::Tensor& input = tensorArg(call, args[1]);
-  const RedOp op = redOpArg(call, args[2]);
-  return runSync(self,
-                 [&](Engine& e, C c) { return e.reduceScatterSingle(output, input, op, c); });
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* broadcast(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  const char* call = "broadcast";
-  expectArgs(call, nargs, 2);
-  const at::Tensor& tensor = tensorArg(call, args[0]);
-  const int src = intArg(call, args[1]);
-  return runSync(self, [&](Engine& e, C c) { return e.broadcastFrom(tensor, src, c); });
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* barrier(PyObject* self, PyObject* const* /*args*/, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  expectArgs("barrier", nargs, 0);
-  return runSync(self, [&](Engine& e, C c) { return e.barrierAll(c); });
+  expectArgs(Name, nargs, sizeof...(Args));
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    // A braced list converts left to right: the first bad argument is reported.
+    const std::tuple<decltype(Args::from(Name, args[I]))...> values{Args::from(Name, args[I])...};
+    Engine& engine = engineOf(self);
+    runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
+      return (engine.*Method)(std::get<I>(values)..., c);
+    });
+    Py_RETURN_NONE;
+  }(std::index_sequence_for<Args...>{});
   END_HANDLE_TH_ERRORS
 }
 
@@ -222,14 +194,25 @@ PyCFunction fastcall() {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(F));
 }
 
+constexpr char kAllReduce[] = "all_reduce";
+constexpr char kAllGatherSingle[] = "all_gather_single";
+constexpr char kReduceScatterSingle[] = "reduce_scatter_single";
+constexpr char kBroadcast[] = "broadcast";
+constexpr char kBarrier[] = "barrier";
+
 PyMethodDef kEntries[] = {
-    {"all_reduce", fastcall<allReduce>(), METH_FASTCALL, "all_reduce(tensor, op_value)"},
-    {"all_gather_single", fastcall<allGatherSingle>(), METH_FASTCALL,
-     "all_gather_single(output, input)"},
-    {"reduce_scatter_single", fastcall<reduceScatterSingle>(), METH_FASTCALL,
-     "reduce_scatter_single(output, input, op_value)"},
-    {"broadcast", fastcall<broadcast>(), METH_FASTCALL, "broadcast(tensor, src)"},
-    {"barrier", fastcall<barrier>(), METH_FASTCALL, "barrier()"},
+    {kAllReduce, fastcall<entry<kAllReduce, &Engine::allReduce, TensorArg, OpArg>>(),
+     METH_FASTCALL, "all_reduce(tensor, op_value)"},
+    {kAllGatherSingle,
+     fastcall<entry<kAllGatherSingle, &Engine::allGatherSingle, TensorArg, TensorArg>>(),
+     METH_FASTCALL, "all_gather_single(output, input)"},
+    {kReduceScatterSingle,
+     fastcall<entry<kReduceScatterSingle, &Engine::reduceScatterSingle, TensorArg, TensorArg,
+                    OpArg>>(),
+     METH_FASTCALL, "reduce_scatter_single(output, input, op_value)"},
+    {kBroadcast, fastcall<entry<kBroadcast, &Engine::broadcastFrom, TensorArg, IntArg>>(),
+     METH_FASTCALL, "broadcast(tensor, src)"},
+    {kBarrier, fastcall<entry<kBarrier, &Engine::barrierAll>>(), METH_FASTCALL, "barrier()"},
 };
 
 // The entries bound to `engine`, by name; each keeps the engine alive.
