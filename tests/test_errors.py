@@ -380,24 +380,35 @@ def _mismatch_fields(ctx: RankContext) -> list:
 
 def _gather_algo_by_size(ctx: RankContext) -> list:
     """Rank 0 picks the algorithm by size, rank 1 always takes the ring: they
-    agree on an all_gather or reduce_scatter that stages more than
-    direct_max_bytes per rank, and differ on a small one."""
+    agree on an all_gather that stages more than direct_max_bytes per rank
+    (and less than registered memory's 64 KiB), and differ on a small one; a
+    reduce_scatter differs on a small one too, and also on a larger one,
+    which may read registered inputs under auto. (expected algo, message)
+    for each difference, each on a group of its own."""
     n, r = ctx.world_size, ctx.rank
-    calls = [
-        ("all_gather", lambda pg, k: pg.all_gather_single(torch.empty(n * k), torch.ones(k))),
-        ("reduce_scatter", lambda pg, k: pg.reduce_scatter_single(torch.empty(k),
-                                                                  torch.ones(n * k))),
-    ]
+    default = pyddp.RingOptions()
+    beyond_direct = default.direct_max_bytes  # elements, 4 bytes each
+
+    def all_gather(pg, k):
+        pg.all_gather_single(torch.empty(n * k), torch.ones(k))
+
+    def reduce_scatter(pg, k):
+        pg.reduce_scatter_single(torch.empty(k), torch.ones(n * k))
+
+    cases = [("direct", all_gather, 4), ("direct", reduce_scatter, 4),
+             ("registered", reduce_scatter, beyond_direct)]
     messages = []
-    for name, call in calls:
+    for i, (expected, call, count) in enumerate(cases):
         options = pyddp.RingOptions()
         options.algo = pyddp.Algo.AUTO if r == 0 else pyddp.Algo.RING
-        pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(f"by-size-{name}"), n),
+        pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(f"by-size-{i}"), n),
                              rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
                              options=options)
-        ctx.groups[f"by-size-{name}"] = pg
-        call(pg, options.direct_max_bytes)  # 4 bytes per element: the ring on both ranks
-        messages.append(raises(dist.DistBackendError, "differs between ranks", call, pg, 4))
+        ctx.groups[f"by-size-{i}"] = pg
+        if call is all_gather:
+            call(pg, beyond_direct)  # the ring on both ranks
+        messages.append((expected, raises(dist.DistBackendError, "differs between ranks",
+                                          call, pg, count)))
     return messages
 
 
@@ -538,8 +549,8 @@ def test_every_descriptor_field_is_checked(two):
 
 def test_small_all_gather_and_reduce_scatter_take_the_direct_algorithm(two):
     for messages in two.run(_gather_algo_by_size):
-        for message in messages:
-            assert "algo=direct" in message and "algo=ring" in message, message
+        for expected, message in messages:
+            assert f"algo={expected}" in message and "algo=ring" in message, message
 
 
 def test_ranks_with_different_geometry_refuse_to_connect(two):

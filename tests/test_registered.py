@@ -23,8 +23,9 @@ from harness import RankContext, Ranks
 from pyddp._C import _testing
 
 # Inside the sizes that read registered tensors (common/config.h: 64 KiB to
-# 8 MiB per rank, all_reduce from 512 KiB), uneven over 3 ranks.
-COUNT = 40_001                # all_gather and broadcast, 160 KB of float32
+# 8 MiB per rank, all_reduce from 512 KiB, reduce_scatter from 4 KiB per
+# block), uneven over 3 ranks.
+COUNT = 40_001                # all_gather, broadcast, reduce_scatter: 160 KB of float32
 ALL_REDUCE_BYTES = 600_000    # all_reduce, in every dtype
 MAPS_PER_PEER = 64
 
@@ -131,6 +132,8 @@ def test_sizes_outside_the_window_take_the_staged_path(ranks):
     assert ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, everyone, 100_000) == [(0, 0)] * n
     # 9 MiB: above 8 MiB
     assert ranks.run(_broadcast, 0, everyone, 9 * 1024 * 1024 // 8) == [0] * n
+    # reduce_scatter: 4,000-byte blocks, below its 4 KiB
+    assert ranks.run(_reduce_scatter, everyone, None, 1000) == [0] * n
 
 
 def _all_gather(ctx, registered_on, form):
@@ -164,6 +167,46 @@ def test_all_gather_reads_registered_inputs(ranks, form):
     assert ranks.run(_all_gather, range(n), form) == [n - 1] * n
     # one rank's input not registered: every rank takes the staged path
     assert ranks.run(_all_gather, [1], form) == [0] * n
+
+
+def _reduce_scatter(ctx, registered_on, out_at=None, count=COUNT):
+    # out_at: the output is block `out_at` of the rank's own input.
+    n, r, group = ctx.world_size, ctx.rank, ctx.groups["auto"]
+    inputs = [make_input(k, n * count, torch.float32, salt=5) for k in range(n)]
+    expected = reference_reduce(inputs, ReduceOp.SUM)[r * count:(r + 1) * count]
+    mine = registered_copy(inputs[r]) if r in registered_on else inputs[r].clone()
+    if out_at is None:
+        out = torch.full((count,), -1.0)
+    else:
+        out = mine[out_at * count:(out_at + 1) * count]
+    before = maps_made()
+    pyddp.reduce_scatter_single(out, mine, group=group)
+    check_equal(out, expected, f"reduce_scatter (output at {out_at})")
+    if out_at is None:
+        check_equal(mine, inputs[r], "reduce_scatter's input, unchanged")
+    return maps_made() - before
+
+
+def test_reduce_scatter_reads_registered_inputs(ranks):
+    n = ranks.world_size
+    assert ranks.run(_reduce_scatter, range(n)) == [n - 1] * n
+    # one rank's input not registered: every rank takes the staged path
+    assert ranks.run(_reduce_scatter, [n - 1]) == [0] * n
+    # in place: each rank's output is its own block of its input, which no peer reads
+    assert ranks.run(_reduce_scatter_into_own_block) == [n - 1] * n
+
+
+def _reduce_scatter_into_own_block(ctx):
+    return _reduce_scatter(ctx, range(ctx.world_size), ctx.rank)
+
+
+def _reduce_scatter_into_block_zero(ctx):
+    return _reduce_scatter(ctx, range(ctx.world_size), 0)
+
+
+def test_an_output_that_overlaps_a_peers_input_block_is_not_written_in_place(ranks):
+    # Block 0 of each rank's input is what rank 0 reads from it.
+    assert ranks.run(_reduce_scatter_into_block_zero) == [0] * ranks.world_size
 
 
 def _broadcast(ctx, root, registered_on, count=COUNT, group_name="auto"):

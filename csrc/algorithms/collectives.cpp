@@ -373,6 +373,18 @@ void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& b
   mem.exchange();
 }
 
+void registeredReduceScatter(const Call& c, PeerMemory& mem, const RegisteredView& in,
+                             const kernels::ReduceSpec& spec, void* out, size_t blockCount) {
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  ConstRankPtrs src(n);
+  // reduce my block of every rank's input in rank order
+  for (int k = 0; k < n; ++k) src[k] = at(in.tensors[k], r * blockCount, es);
+  c.transport.local().reduceN(spec, out, src.data(), n, blockCount);
+  // no peer reads my input any more
+  mem.exchange();
+}
+
 void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const void* in,
                       const std::vector<size_t>& sendCounts,
                       const std::vector<size_t>& sendOffsets, void* out,

@@ -103,6 +103,11 @@ void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& b
 // then every rank copies each block from the rank that reduced it.
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
                          const kernels::ReduceSpec& spec, void* buf, size_t count);
+// ringReduceScatter's result, read from every rank's registered input (its
+// `n` blocks of `blockCount` elements, one after the other): rank r reduces
+// block r of every input, in rank order, into out.
+void registeredReduceScatter(const Call& c, PeerMemory& mem, const RegisteredView& in,
+                             const kernels::ReduceSpec& spec, void* out, size_t blockCount);
 
 // Algorithms over point-to-point messages (MessageLink). Each is one round
 // of messages tagged for this collective alone, so they never meet a

@@ -48,6 +48,22 @@ CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
   return d;
 }
 
+// Whether [p, p + bytes) overlaps a block of `blocks` (each `blockBytes`
+// long) other than block `rank`: a registered collective would then write
+// memory a peer reads.
+template <typename Ptr>
+bool overlapsPeerBlock(const void* p, size_t bytes, c10::ArrayRef<Ptr> blocks,
+                       size_t blockBytes, int rank) {
+  const auto* first = static_cast<const char*>(p);
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const auto* block = static_cast<const char*>(blocks[b]);
+    if (static_cast<int>(b) != rank && first < block + blockBytes && block < first + bytes) {
+      return true;
+    }
+  }
+  return false;
+}
+
 } // namespace
 
 RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -210,12 +226,7 @@ void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataTy
   // An input that overlaps a peer's block of the output would be written
   // while the peers read it: this rank then offers no registered input, and
   // every rank takes the other algorithm.
-  const auto* first = static_cast<const char*>(in);
-  bool overlaps = false;
-  for (int b = 0; b < size_; ++b) {
-    const auto* block = static_cast<const char*>(blocks[b]);
-    overlaps |= b != rank_ && first < block + bytes && block < first + bytes;
-  }
+  const bool overlaps = overlapsPeerBlock(in, bytes, blocks, bytes, rank_);
   if (ranRegistered(c, overlaps ? nullptr : in, bytes, -1,
                     [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
                       algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
@@ -442,12 +453,25 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
   const size_t es = elementSize(s.dtype);
   const Algo algo = gatherAlgo(size_ * count * es);
   return submit(
-      makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1, algo),
+      makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1,
+               registeredOr(CollectiveKind::ReduceScatter, count * es, algo)),
       outputs, {in, out},
-      [=, this](const algorithms::Call& c) {
+      [=, this](const algorithms::Call& call) {
+        algorithms::Call c = call;
         algorithms::ConstRankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
+        }
+        // An output that overlaps a peer's block of the input would be
+        // written while that peer reads it: as in allGatherBlocks.
+        const bool overlaps =
+            overlapsPeerBlock<const void*>(out.data_ptr(), count * es, blocks, count * es, rank_);
+        if (ranRegistered(c, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
+                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
+                            algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(),
+                                                                count);
+                          })) {
+          return;
         }
         if (algo == Algo::Direct) {
           algorithms::directReduceScatter(c, *transport_->peerMemory(), s, blocks,

@@ -118,9 +118,14 @@ std::map<std::string, std::string> settings() {
 }
 
 bool readsRegistered(CollectiveKind kind, size_t bytes) {
-  const size_t least =
-      kind == CollectiveKind::AllReduce ? kRegisteredAllReduceMinBytes : kRegisteredMinBytes;
-  return bytes >= least && bytes <= kRegisteredMaxBytes;
+  switch (kind) {
+    case CollectiveKind::ReduceScatter:
+      return bytes >= kRegisteredReduceScatterMinBytes;
+    case CollectiveKind::AllReduce:
+      return bytes >= kRegisteredAllReduceMinBytes && bytes <= kRegisteredMaxBytes;
+    default:
+      return bytes >= kRegisteredMinBytes && bytes <= kRegisteredMaxBytes;
+  }
 }
 
 } // namespace pyddp
