@@ -386,8 +386,9 @@ def _gather_algo_by_size(ctx: RankContext) -> list:
     which may read registered inputs under auto. (expected algo, message)
     for each difference, each on a group of its own."""
     n, r = ctx.world_size, ctx.rank
-    default = pyddp.RingOptions()
-    beyond_direct = default.direct_max_bytes  # elements, 4 bytes each
+    # float32 elements: one past direct_max_bytes, below registered memory's 64 KiB
+    past_direct = pyddp.RingOptions().direct_max_bytes // 4 + 1
+    assert 4 * past_direct < 64 * 1024, "the all_gather case needs a size between the two"
 
     def all_gather(pg, k):
         pg.all_gather_single(torch.empty(n * k), torch.ones(k))
@@ -396,7 +397,7 @@ def _gather_algo_by_size(ctx: RankContext) -> list:
         pg.reduce_scatter_single(torch.empty(k), torch.ones(n * k))
 
     cases = [("direct", all_gather, 4), ("direct", reduce_scatter, 4),
-             ("registered", reduce_scatter, beyond_direct)]
+             ("registered", reduce_scatter, past_direct)]
     messages = []
     for i, (expected, call, count) in enumerate(cases):
         options = pyddp.RingOptions()
@@ -406,7 +407,7 @@ def _gather_algo_by_size(ctx: RankContext) -> list:
                              options=options)
         ctx.groups[f"by-size-{i}"] = pg
         if call is all_gather:
-            call(pg, beyond_direct)  # the ring on both ranks
+            call(pg, past_direct)  # the ring on both ranks
         messages.append((expected, raises(dist.DistBackendError, "differs between ranks",
                                           call, pg, count)))
     return messages
@@ -427,6 +428,14 @@ def _overlapping_output(ctx: RankContext) -> None:
             pg.all_reduce, torch.ones(1).expand(4))
     raises(ValueError, "broadcast: tensor has elements that share memory", pg.broadcast,
             torch.ones(1).expand(4), 0)
+    n, r, k = ctx.world_size, ctx.rank, 4
+    whole = torch.ones(n * k + 1)
+    # shifted by one element from a block of the world-sized tensor
+    raises(ValueError, f"reduce_scatter_single: output overlaps input other than as one of its "
+           f"blocks \\(in place, it is block {r}: elements {r * k} to {(r + 1) * k}\\)",
+           pg.reduce_scatter_single, whole[r * k + 1:(r + 1) * k + 1], whole[:n * k])
+    raises(ValueError, "all_gather_single: input overlaps output other than as one of its "
+           "blocks", pg.all_gather_single, whole[:n * k], whole[1:k + 1])
     t = torch.ones(4)
     pg.all_reduce(t)  # refused calls never reached the peers
     assert torch.equal(t, torch.full((4,), float(ctx.world_size)))
@@ -558,7 +567,7 @@ def test_ranks_with_different_geometry_refuse_to_connect(two):
         assert "slot_bytes 128 vs 256" in message or "slot_bytes 256 vs 128" in message, message
 
 
-def test_outputs_that_overlap_themselves_are_refused(two):
+def test_outputs_that_overlap_themselves_or_their_inputs_are_refused(two):
     two.run(_overlapping_output)
 
 

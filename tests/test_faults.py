@@ -240,6 +240,8 @@ def _forged(ctx: RankContext, case: str, fake: str) -> str:
                 return forge_shm_blob(outcome, bytes=str(size - 4096))
             if case == "large":
                 return forge_shm_blob(outcome, bytes=str(size + 4096))
+            if case == "layout":
+                return forge_shm_blob(outcome, layout="4")
             if case in ("mode", "size", "header"):
                 length = {"size": size + 64}.get(case, size)
                 fd = os.open(SHM + fake, os.O_CREAT | os.O_EXCL | os.O_RDWR,
@@ -264,6 +266,8 @@ def _forged(ctx: RankContext, case: str, fake: str) -> str:
     ("mode", r"refusing rank 0's shm segment /pyddp-\w+: its mode is 0644, not 0600"),
     ("size", r"refusing rank 0's shm segment /pyddp-\w+: it has \d+ bytes, and this geometry"),
     ("header", r"rank 0's shm segment has an unexpected layout"),
+    ("layout", r"rank 0's shm bootstrap blob has layout 4, this rank's \d+ \(different pyddp "
+               r"versions"),
     ("own", r"named by rank 0's blob is rank 1's .*not rank 0's"),
 ])
 def test_forged_blobs_are_refused_on_every_rank(two, case, refusal):

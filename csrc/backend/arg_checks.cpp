@@ -1,5 +1,7 @@
 #include "backend/arg_checks.h"
 
+#include <cstddef>
+
 #include <ATen/MemoryOverlap.h>
 
 #include "backend/torch_types.h"
@@ -44,6 +46,22 @@ DataType ArgChecks::single(const char* call, const at::Tensor& output,
                     outputIsWhole ? "output" : "input", " has ", whole.numel(),
                     " elements, expected ", block.numel() * size_, " (world_size ", size_,
                     " x ", outputIsWhole ? "input" : "output", "'s ", block.numel(), ")");
+  // The two may share memory only as a whole block of the world-sized one
+  // (in place: the rank's own): the algorithms read and write them block by
+  // block, piece by piece, and a block shifted by part of one would be
+  // written before it is read. A tensor that is not contiguous is copied
+  // before the collective and so shares nothing with it.
+  if (whole.is_contiguous() && block.is_contiguous() &&
+      at::get_overlap_status(whole, block) != at::MemOverlapStatus::No) {
+    const auto offset = static_cast<const char*>(block.const_data_ptr()) -
+        static_cast<const char*>(whole.const_data_ptr());
+    PYDDP_CHECK_VALUE(offset >= 0 && offset % static_cast<ptrdiff_t>(block.nbytes()) == 0,
+                      "rank ", rank_, ": ", call, ": ", outputIsWhole ? "input" : "output",
+                      " overlaps ", outputIsWhole ? "output" : "input",
+                      " other than as one of its blocks (in place, it is block ", rank_,
+                      ": elements ", rank_ * block.numel(), " to ",
+                      (rank_ + 1) * block.numel(), ")");
+  }
   return dtype;
 }
 void ArgChecks::writable(const at::Tensor& t, const char* call,

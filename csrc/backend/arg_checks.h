@@ -23,7 +23,8 @@ class ArgChecks {
   // No two elements share memory (results are written into it).
   void writable(const at::Tensor& t, const char* call, const char* what) const;
   // all_gather_single and reduce_scatter_single: one rank-sized tensor and
-  // one world-sized tensor of the same dtype; returns that dtype.
+  // one world-sized tensor of the same dtype, sharing memory (if at all) as
+  // one of the world-sized tensor's blocks; returns that dtype.
   DataType single(const char* call, const at::Tensor& output, const at::Tensor& input,
                   bool outputIsWhole) const;
   void op(RedOp op, DataType dtype, const char* call) const;

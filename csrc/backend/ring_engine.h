@@ -40,7 +40,8 @@ class RingEngine final : public Engine {
   const std::string getBackendName() const override { return "pyddp"; }
   const RingOptions& options() const { return options_; }
   // Why this engine never reads registered tensors in place ("" if it may,
-  // at the sizes readsRegistered() takes): the same on every rank.
+  // at the sizes readsRegistered() takes): "" on every rank or on none when
+  // the ranks' options agree.
   const std::string& registeredRefusal() const { return registeredRefusal_; }
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;

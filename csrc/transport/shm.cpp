@@ -45,6 +45,7 @@ struct Blob {
 
 std::string encodeBlob(const Blob& b) {
   return BlobWriter()
+      .put("layout", kLayoutVersion)
       .put("segment", b.segment)
       .put("host", b.hostId)
       .put("pid_namespace", b.pidNamespace)
@@ -62,6 +63,11 @@ std::string encodeBlob(const Blob& b) {
 
 Blob decodeBlob(const std::string& text, int peer) {
   const BlobReader r(text, "rank " + std::to_string(peer) + "'s shm bootstrap blob");
+  // The layout first: a peer of another version may lack the fields below.
+  const std::string layout = r.has("layout") ? r.str("layout") : "none";
+  PYDDP_CHECK(layout == std::to_string(kLayoutVersion), "rank ", peer,
+              "'s shm bootstrap blob has layout ", layout, ", this rank's ", kLayoutVersion,
+              " (different pyddp versions, or a corrupted or forged store value?)");
   Blob b{r.str("segment"),         r.str("host"),
          r.str("pid_namespace"),   r.get<int>("pid"),
          r.get<size_t>("bytes"),   r.get<size_t>("slot_bytes"),

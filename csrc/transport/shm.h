@@ -42,8 +42,9 @@ constexpr int kDescriptorRing = 4;
 constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // The layout and the protocol below: builds that read the same flags
 // differently (3: an arrival may publish a staged round; 4: the round an
-// arrival publishes may hold a registered::Ref; 5: mapsRegistered) do not
-// connect.
+// arrival publishes may hold a registered::Ref; 5: mapsRegistered and the
+// probe named in the blob) do not connect: the blob says its layout first,
+// so a peer of another version is named as such before its fields are read.
 constexpr uint32_t kLayoutVersion = 5;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
@@ -213,9 +214,8 @@ class ShmTransport final : public Transport,
   void exchange() override;
   void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
   const void* peerBuffer(int rank) const override;
-  // Agreed while connecting: every rank mapped a page of registered memory
-  // of every peer (a probe each rank makes in setup()).
-  bool mapsRegistered() const override { return registeredRefusal_.empty(); }
+  // Agreed while connecting: "" when every rank mapped a page of registered
+  // memory of every peer (a probe each rank makes in setup()).
   std::string whyNotMapRegistered() const override { return registeredRefusal_; }
   const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) override;
 

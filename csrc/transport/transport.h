@@ -101,11 +101,10 @@ class PeerMemory {
   // collective after it staged.
   virtual void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
   virtual const void* peerBuffer(int rank) const = 0;
-  // Registered memory (transport/registered.h), for CPU tensors: whether
-  // every rank can map every peer's (the same answer on every rank), why
-  // not, and rank `rank`'s tensor that `ref` names, `bytes` long, mapped
-  // here (throws if it cannot be).
-  virtual bool mapsRegistered() const { return false; }
+  // Registered memory (transport/registered.h), for CPU tensors: why not
+  // every rank can map every peer's ("" on every rank or on none), and rank
+  // `rank`'s tensor that `ref` names, `bytes` long, mapped here (throws if
+  // it cannot be).
   virtual std::string whyNotMapRegistered() const {
     return "the transport does not map peers' memory";
   }
