@@ -10,10 +10,11 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
-#include <climits>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
@@ -118,18 +119,30 @@ py::object issue(bool asyncOp, const std::optional<std::chrono::milliseconds>& t
 
 // The synchronous entries of the calls that carry small messages, for
 // pyddp's ProcessGroup: builtins bound to one engine (METH_FASTCALL, a
-// capsule holding the engine as their self) that take positional arguments
-// the Python layer has sorted out: CPU tensors, a RedOp's value, a group
-// rank. Through pybind's dispatcher (a bound method made per call, keyword
-// matching, a type lookup per argument) a barrier of one rank took 544 ns
-// through ProcessGroup, and 325 ns through these. Errors reach Python as
-// torch's translation makes them for every pybind entry.
+// capsule holding the engine as their self) that take ProcessGroup's
+// arguments as they are and sort them out here, where it costs less than
+// in Python. Through pybind's dispatcher (a bound method made per call,
+// keyword matching, a type lookup per argument) a barrier of one rank took
+// 544 ns through ProcessGroup, and 325 ns through these. Each returns None
+// when it ran the call, and NotImplemented for arguments it does not take
+// (not a tensor of the engine's device, an op that is not one of the
+// members it was given, a src that is not an int rank of the group): the
+// caller then takes the general path, which checks and reports. Errors
+// reach Python as torch's translation makes them for every pybind entry.
 namespace direct {
 
-constexpr const char* kEngineCapsule = "pyddp.Engine";
+constexpr const char* kCapsule = "pyddp.DirectEntries";
 
-Engine& engineOf(PyObject* self) {
-  return **static_cast<c10::intrusive_ptr<Engine>*>(PyCapsule_GetPointer(self, kEngineCapsule));
+// What the entries' capsule holds. Destroyed by the capsule, with the GIL.
+struct Bound {
+  c10::intrusive_ptr<Engine> engine;
+  // ReduceOp's members, compared by identity (hashing a member calls a
+  // Python-level pybind11 function), each with its RedOp.
+  std::vector<std::pair<py::object, RedOp>> ops;
+};
+
+const Bound& boundOf(PyObject* self) {
+  return *static_cast<const Bound*>(PyCapsule_GetPointer(self, kCapsule));
 }
 
 void expectArgs(const char* call, Py_ssize_t nargs, Py_ssize_t expected) {
@@ -137,52 +150,56 @@ void expectArgs(const char* call, Py_ssize_t nargs, Py_ssize_t expected) {
                    nargs, " given)");
 }
 
-const at::Tensor& tensorArg(const char* call, PyObject* arg) {
-  PYDDP_CHECK_TYPE(THPVariable_Check(arg), call, ": expected a torch.Tensor, got ",
-                   Py_TYPE(arg)->tp_name);
-  return THPVariable_Unpack(arg);
-}
-
-int intArg(const char* call, PyObject* arg) {
-  PYDDP_CHECK_TYPE(!PyBool_Check(arg), call, ": expected an int, got a bool");
-  const long long value = PyLong_AsLongLong(arg);
-  if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
-  PYDDP_CHECK_VALUE(value >= INT_MIN && value <= INT_MAX, call, ": ", value,
-                    " does not fit an int");
-  return static_cast<int>(value);
-}
-
-RedOp redOpArg(const char* call, PyObject* arg) {
-  const int value = intArg(call, arg);
-  PYDDP_CHECK_VALUE(value >= static_cast<int>(RedOp::Sum) && value <= static_cast<int>(RedOp::Max),
-                    call, ": ", value, " is not a RedOp's value");
-  return static_cast<RedOp>(value);
-}
-
-// What a positional argument of an entry converts to.
+// What a positional argument of an entry converts to, if it is one the
+// entry takes (std::nullopt if not).
 struct TensorArg {
-  static const at::Tensor& from(const char* call, PyObject* arg) { return tensorArg(call, arg); }
+  // A reference of the entry's own, taken and dropped with the GIL held. A
+  // tensor that Python holds gains a reference to its PyObject when C++
+  // first copies it and loses it when the last copy goes
+  // (c10::intrusive_ptr), and losing it takes the GIL: without this
+  // reference the engine's copies, dropped with the GIL released, took and
+  // gave back the GIL once per call (one rank, 4 KiB all_reduce through
+  // ProcessGroup: 1160 -> 1025 ns, interleaved runs of each).
+  static std::optional<at::Tensor> from(const Bound& b, PyObject* arg) {
+    if (!THPVariable_Check(arg)) return std::nullopt;
+    const at::Tensor& t = THPVariable_Unpack(arg);
+    if (t.device() != b.engine->device()) return std::nullopt;
+    return t;
+  }
 };
 struct OpArg {
-  static RedOp from(const char* call, PyObject* arg) { return redOpArg(call, arg); }
+  static std::optional<RedOp> from(const Bound& b, PyObject* arg) {
+    for (const auto& [member, op] : b.ops) {
+      if (member.ptr() == arg) return op;
+    }
+    return std::nullopt;
+  }
 };
-struct IntArg {
-  static int from(const char* call, PyObject* arg) { return intArg(call, arg); }
+struct RankArg {
+  static std::optional<int> from(const Bound& b, PyObject* arg) {
+    if (!PyLong_CheckExact(arg)) return std::nullopt;  // not a bool either
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(arg, &overflow);
+    if (overflow != 0 || value < 0 || value >= b.engine->getSize()) return std::nullopt;
+    return static_cast<int>(value);
+  }
 };
 
 // The entry `Name`: the engine's `Method` on positional arguments of the
 // kinds `Args`, converted in order while the GIL is held, then run as a
-// synchronous call (the GIL released); returns None.
+// synchronous call (the GIL released).
 template <const char* Name, auto Method, typename... Args>
 PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   expectArgs(Name, nargs, sizeof...(Args));
-  return [&]<size_t... I>(std::index_sequence<I...>) {
-    // A braced list converts left to right: the first bad argument is reported.
-    const std::tuple<decltype(Args::from(Name, args[I]))...> values{Args::from(Name, args[I])...};
-    Engine& engine = engineOf(self);
+  const Bound& bound = boundOf(self);
+  return [&]<size_t... I>(std::index_sequence<I...>) -> PyObject* {
+    const std::tuple<decltype(Args::from(bound, args[I]))...> values{
+        Args::from(bound, args[I])...};
+    if (!(std::get<I>(values).has_value() && ...)) Py_RETURN_NOTIMPLEMENTED;
+    Engine& engine = *bound.engine;
     runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
-      return (engine.*Method)(std::get<I>(values)..., c);
+      return (engine.*Method)(*std::get<I>(values)..., c);
     });
     Py_RETURN_NONE;
   }(std::index_sequence_for<Args...>{});
@@ -202,26 +219,26 @@ constexpr char kBarrier[] = "barrier";
 
 PyMethodDef kEntries[] = {
     {kAllReduce, fastcall<entry<kAllReduce, &Engine::allReduce, TensorArg, OpArg>>(),
-     METH_FASTCALL, "all_reduce(tensor, op_value)"},
+     METH_FASTCALL, "all_reduce(tensor, op)"},
     {kAllGatherSingle,
      fastcall<entry<kAllGatherSingle, &Engine::allGatherSingle, TensorArg, TensorArg>>(),
      METH_FASTCALL, "all_gather_single(output, input)"},
     {kReduceScatterSingle,
      fastcall<entry<kReduceScatterSingle, &Engine::reduceScatterSingle, TensorArg, TensorArg,
                     OpArg>>(),
-     METH_FASTCALL, "reduce_scatter_single(output, input, op_value)"},
-    {kBroadcast, fastcall<entry<kBroadcast, &Engine::broadcastFrom, TensorArg, IntArg>>(),
+     METH_FASTCALL, "reduce_scatter_single(output, input, op)"},
+    {kBroadcast, fastcall<entry<kBroadcast, &Engine::broadcastFrom, TensorArg, RankArg>>(),
      METH_FASTCALL, "broadcast(tensor, src)"},
     {kBarrier, fastcall<entry<kBarrier, &Engine::barrierAll>>(), METH_FASTCALL, "barrier()"},
 };
 
-// The entries bound to `engine`, by name; each keeps the engine alive.
-py::dict entriesOf(const c10::intrusive_ptr<Engine>& engine) {
-  auto held = std::make_unique<c10::intrusive_ptr<Engine>>(engine);
+// The entries bound to `engine` and `ops`, by name; each keeps both alive.
+py::dict entriesOf(const c10::intrusive_ptr<Engine>& engine,
+                   std::vector<std::pair<py::object, RedOp>> ops) {
+  auto held = std::make_unique<Bound>(Bound{engine, std::move(ops)});
   const auto capsule = py::reinterpret_steal<py::object>(
-      PyCapsule_New(held.get(), kEngineCapsule, [](PyObject* capsule) {
-        delete static_cast<c10::intrusive_ptr<Engine>*>(
-            PyCapsule_GetPointer(capsule, kEngineCapsule));
+      PyCapsule_New(held.get(), kCapsule, [](PyObject* capsule) {
+        delete static_cast<Bound*>(PyCapsule_GetPointer(capsule, kCapsule));
       }));
   if (!capsule) throw py::error_already_set();
   held.release();  // the capsule's now
@@ -359,10 +376,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("recv", [](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.recvFrom(t, src, tag, c); });
       }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout)
-      .def("direct_entries", &direct::entriesOf,
-           "The synchronous entries for CPU tensors, by name: all_reduce(tensor, op_value), "
-           "all_gather_single(output, input), reduce_scatter_single(output, input, op_value), "
-           "broadcast(tensor, src), barrier(); each returns None.")
+      .def("direct_entries", &direct::entriesOf, py::arg("ops"),
+           "The synchronous entries for this engine's tensors, by name: all_reduce(tensor, "
+           "op), all_gather_single(output, input), reduce_scatter_single(output, input, op), "
+           "broadcast(tensor, src), barrier(); `ops` pairs the objects taken as op with "
+           "their RedOp. Each returns None, or NotImplemented for arguments it does not take.")
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);

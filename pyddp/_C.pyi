@@ -83,10 +83,11 @@ class Engine(Backend):
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
     def recv(self, tensor: torch.Tensor, src: int, tag: int, async_op: bool,
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
-    def direct_entries(self) -> Dict[str, Callable[..., None]]:
-        """Synchronous, positional-only entries for CPU tensors, op as int(RedOp):
-        all_reduce(tensor, op), all_gather_single(output, input),
-        reduce_scatter_single(output, input, op), broadcast(tensor, src), barrier()."""
+    def direct_entries(self, ops: List[Tuple[object, RedOp]]) -> Dict[str, Callable[..., object]]:
+        """Synchronous, positional-only entries for this engine's tensors, op one of the
+        objects ``ops`` pairs with a RedOp: all_reduce(tensor, op), all_gather_single(output,
+        input), reduce_scatter_single(output, input, op), broadcast(tensor, src), barrier().
+        Each returns None, or NotImplemented for arguments it does not take."""
     def shutdown(self) -> None: ...
 
 class RingEngine(Engine):

@@ -41,8 +41,6 @@ _SUPPORTED_OPS = {
 # object for the life of the process): hashing a member calls a Python-level
 # pybind11 function, 0.2 us of a 4 KiB all_reduce's few.
 _OP_OF_MEMBER = {id(member): red for member, red in _SUPPORTED_OPS.items()}
-# And their values, as the engines' direct entries take them.
-_OP_VALUE_OF_MEMBER = {id(member): int(red) for member, red in _SUPPORTED_OPS.items()}
 HAS_CUDA: bool = _C.has_cuda
 # "shm": CPU tensors. "cuda_ipc", "nccl" (NCCL's own collectives) and
 # "nccl_ring" (pyddp's ring over NCCL send/recv): CUDA tensors on the current
@@ -119,6 +117,11 @@ class Work:
         return self._work.result()
 
 
+def _not_now(*args: object) -> object:
+    """A group's direct entry before its CPU engine exists: every call takes the general path."""
+    return NotImplemented
+
+
 def _finish(work: Optional[dist.Work], async_op: bool) -> Optional[Work]:
     """The engines return a synchronous call once done, with no Work (None)."""
     return Work(work) if async_op else None
@@ -164,12 +167,14 @@ class ProcessGroup:
         self._engines: Dict[str, _C.Engine] = {}
         self._cpu_engine: Optional[_C.Engine] = None
         self._engine_list: Tuple[_C.Engine, ...] = ()  # _engines' values, for barrier
-        # The CPU engine's synchronous entries (Engine.direct_entries), once it exists.
-        self._all_reduce_now: Optional[Callable[[torch.Tensor, int], None]] = None
-        self._all_gather_now: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
-        self._reduce_scatter_now: Optional[Callable[[torch.Tensor, torch.Tensor, int], None]] = None
-        self._broadcast_now: Optional[Callable[[torch.Tensor, int], None]] = None
-        self._barrier_now: Optional[Callable[[], None]] = None
+        # The CPU engine's synchronous entries (Engine.direct_entries), once it
+        # exists: each returns None when it ran the call, NotImplemented when
+        # the call takes the general path.
+        self._all_reduce_now: Callable[..., object] = _not_now
+        self._all_gather_now: Callable[..., object] = _not_now
+        self._reduce_scatter_now: Callable[..., object] = _not_now
+        self._broadcast_now: Callable[..., object] = _not_now
+        self._barrier_now: Callable[..., object] = _not_now
         self._layout = ""
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
@@ -200,7 +205,7 @@ class ProcessGroup:
             logger.info("%s: registered tensors (pyddp.empty): %s", who,
                         f"read through staging: {refusal}" if refusal else "read in place")
             self._cpu_engine = engine
-            now = engine.direct_entries()
+            now = engine.direct_entries(list(_SUPPORTED_OPS.items()))
             self._all_reduce_now = now["all_reduce"]
             self._all_gather_now = now["all_gather_single"]
             self._reduce_scatter_now = now["reduce_scatter_single"]
@@ -323,10 +328,8 @@ class ProcessGroup:
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
-        if not async_op and isinstance(tensor, torch.Tensor) and tensor.is_cpu:
-            value = _OP_VALUE_OF_MEMBER.get(id(op))
-            if value is not None and self._all_reduce_now is not None:
-                return self._all_reduce_now(tensor, value)
+        if not async_op and self._all_reduce_now(tensor, op) is None:
+            return None
         engine = self._engine(tensor, "all_reduce", "tensor")
         work = engine.all_reduce(tensor, self._op(op, "all_reduce"), async_op)
         return Work(work) if async_op else None
@@ -334,9 +337,8 @@ class ProcessGroup:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                           ) -> Optional[Work]:
         """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
-        if (not async_op and isinstance(input, torch.Tensor) and input.is_cpu
-                and isinstance(output, torch.Tensor) and self._all_gather_now is not None):
-            return self._all_gather_now(output, input)
+        if not async_op and self._all_gather_now(output, input) is None:
+            return None
         engine = self._engine(input, "all_gather_single", "input")
         out = self._tensor(output, "all_gather_single", "output")
         work = engine.all_gather_single(out, input, async_op)
@@ -359,10 +361,8 @@ class ProcessGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-        if (not async_op and isinstance(tensor, torch.Tensor) and tensor.is_cpu
-                and type(src) is int and 0 <= src < self._world_size
-                and self._broadcast_now is not None):
-            return self._broadcast_now(tensor, src)
+        if not async_op and self._broadcast_now(tensor, src) is None:
+            return None
         engine = self._engine(tensor, "broadcast", "tensor")
         root = self._rank_arg(src, "broadcast", "src")
         work = engine.broadcast(tensor, root, async_op)
@@ -371,11 +371,8 @@ class ProcessGroup:
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
         """``output`` on rank r = block r of ``input`` reduced across ranks."""
-        if (not async_op and isinstance(input, torch.Tensor) and input.is_cpu
-                and isinstance(output, torch.Tensor)):
-            value = _OP_VALUE_OF_MEMBER.get(id(op))
-            if value is not None and self._reduce_scatter_now is not None:
-                return self._reduce_scatter_now(output, input, value)
+        if not async_op and self._reduce_scatter_now(output, input, op) is None:
+            return None
         engine = self._engine(input, "reduce_scatter_single", "input")
         out = self._tensor(output, "reduce_scatter_single", "output")
         red = self._op(op, "reduce_scatter_single")
@@ -510,8 +507,8 @@ class ProcessGroup:
         """Returns once every rank has entered the barrier, on every engine of the group
         (so a CUDA engine's queued collectives are done too)."""
         engines = self._engine_list
-        if not async_op and len(engines) == 1 and self._barrier_now is not None:
-            return self._barrier_now()  # the CPU engine is the only one
+        if not async_op and len(engines) == 1 and self._barrier_now() is None:
+            return None  # the CPU engine was the only one
         if len(engines) > 1:
             for engine in engines[:-1]:
                 engine.barrier(False)
