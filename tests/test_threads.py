@@ -133,6 +133,43 @@ def _wait_and_abort(ctx: RankContext) -> str:
     return "completed"
 
 
+def _drop_a_running_work(ctx: RankContext) -> list:
+    store = dist.FileStore(ctx.store_path("drop"), 2)
+    pg = pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=2,
+                         timeout=datetime.timedelta(seconds=60))
+    t = torch.full((4,), float(ctx.rank + 1))
+    if ctx.rank == 1:
+        store.wait(["dropped"], datetime.timedelta(seconds=30))
+        pg.all_reduce(t)
+        store.set("done", "1")
+    else:
+        # Rank 1 joins only once this rank dropped its Work: the worker's
+        # reference is then the last, and the Work is deleted on the worker,
+        # most likely before this thread touches the future again (the
+        # store's waits are nothing ThreadSanitizer sees as ordering).
+        work = pg.all_reduce(t, async_op=True)
+        assert not work.is_completed()
+        future = work.get_future()  # the last access to the Work
+        del work
+        store.set("dropped", "1")
+        store.wait(["done"], datetime.timedelta(seconds=30))
+        t = future.wait()[0]
+    pg.shutdown()
+    return t.tolist()
+
+
+def test_a_work_its_caller_dropped_goes_on_the_worker():
+    """The caller asks for a Work's future and drops the Work while the collective
+    runs: the Work is deleted on the worker, after the caller's accesses (which
+    ThreadSanitizer must see ordered before the delete)."""
+    pool = Ranks(2)
+    try:
+        results = pool.run(_drop_a_running_work, timeout=60)
+    finally:
+        pool.close()
+    assert results == [[3.0] * 4] * 2
+
+
 def test_shutdown_ends_a_wait_on_the_worker():
     pool = Ranks(2)
     try:

@@ -25,8 +25,23 @@ std::string CpuWork::describe() const {
   return std::string(toString(kind_)) + (seq ? " #" + std::to_string(seq) : " (queued)");
 }
 
+CpuWork::~CpuWork() {
+  std::lock_guard<std::mutex> lock(mutex_);
+}
+
 bool CpuWork::isCompleted() {
-  return c10d::Work::isCompleted() && future_->completed();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && future_->completed();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CpuWork::getFuture() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return future_;
+}
+
+std::vector<at::Tensor> CpuWork::result() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return outputs_;
 }
 
 bool CpuWork::wait(std::chrono::milliseconds timeout) {

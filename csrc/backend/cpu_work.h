@@ -33,6 +33,12 @@ class CpuWork final : public c10d::Work {
   CpuWork(int rank, CollectiveKind kind, std::vector<at::Tensor> outputs,
           std::thread::id workerId, Driver driver = nullptr, std::string what = "",
           GiveUp giveUp = nullptr);
+  // The last reference may go on the worker thread (its Job's), after the
+  // caller's thread dropped its own in torch's binding, whose reference
+  // count ThreadSanitizer does not see. Every accessor of the caller's
+  // thread ends holding mutex_, and so does this: the accesses are then
+  // ordered before the delete as ThreadSanitizer sees it too.
+  ~CpuWork() override;
 
   // The collective got its sequence number and reached the transport.
   void started(uint64_t seq) { seq_.store(seq, std::memory_order_relaxed); }
@@ -44,8 +50,8 @@ class CpuWork final : public c10d::Work {
   // timeout error names the rank and the call. An interrupted waiter
   // (common/interrupt.h) gives up on the group and throws.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
 
   void complete();
   void fail(std::exception_ptr error);
