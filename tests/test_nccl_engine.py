@@ -3,9 +3,10 @@
 CPU test (CUDA builds): without a GPU, creating an NcclEngine fails at once with
 an error naming the device and NCCL.
 
-GPU tests (marked ``cuda``): NcclEngine on 2 spawned ranks (device 0 for both,
-or devices 0 and 1 when there are two), every collective against references;
-skipped without a GPU, or when 2 ranks would share a GPU with NCCL < 2.30.
+GPU tests (marked ``cuda``): NcclEngine on 1 and on 2 spawned ranks (device 0
+for all, or device r for rank r when there are enough), every collective against
+references; skipped without a GPU, and on 2 ranks when they would share a GPU
+with NCCL < 2.30.
 """
 
 from __future__ import annotations
@@ -52,18 +53,19 @@ def test_nccl_engine_without_a_gpu_fails_clearly():
 
 
 
-def _gpu_skip_reason():
+def _gpu_skip_reason(world_size: int):
     if not _C.has_cuda:
         return "CPU-only build of pyddp"
-    if torch.cuda.device_count() == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         return "no CUDA GPU visible"
-    if torch.cuda.device_count() == 1 and _C.nccl_version() < MULTI_RANK_NCCL:
-        return (f"2 ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1; "
-                f"NCCL is {_C.nccl_version()}")
+    if gpus < world_size and _C.nccl_version() < MULTI_RANK_NCCL:
+        return (f"{world_size} ranks on {gpus} GPU(s) need NCCL >= 2.30 with "
+                f"NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL is {_C.nccl_version()}")
     return None
 
 
-GPU_SKIP = _gpu_skip_reason()
+GPU_SKIP = _gpu_skip_reason(1)
 cuda = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 TIMEOUT_MS = 60_000
@@ -80,11 +82,12 @@ def _gpu_setup(ctx: RankContext) -> None:
         ctx.groups[name] = _nccl_engine(store, ctx.rank, ctx.world_size, timeout, device)
 
 
-@pytest.fixture(scope="module")
-def gpu_ranks():
-    if GPU_SKIP is not None:
-        pytest.skip(GPU_SKIP)
-    pool = Ranks(2, setup=_gpu_setup, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda n: f"world{n}")
+def gpu_ranks(request):
+    reason = _gpu_skip_reason(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    pool = Ranks(request.param, setup=_gpu_setup, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     yield pool
     pool.close()
 
@@ -190,14 +193,14 @@ def _gpu_stream_semantics(ctx: RankContext) -> None:
 
 def _gpu_bad_arguments(ctx: RankContext) -> str:
     pg, dev = ctx.groups["nccl"], ctx.state["device"]
-    assert pg.timeout_ms == TIMEOUT_MS and pg.device == dev.index
+    assert pg.timeout_ms == TIMEOUT_MS and pg.device == dev
     with pytest.raises(TypeError, match=f"rank {ctx.rank}: all_reduce: tensor is on cpu"):
         pg.all_reduce(torch.ones(4), _C.RedOp.SUM, False)
     with pytest.raises(TypeError, match="AVG needs a floating-point tensor"):
         pg.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), _C.RedOp.AVG, False)
     with pytest.raises(TypeError, match="has dtype"):
         pg.all_reduce(torch.ones(4, dtype=torch.complex64, device=dev), _C.RedOp.SUM, False)
-    with pytest.raises(ValueError, match="expected 8"):
+    with pytest.raises(ValueError, match=f"expected {4 * ctx.world_size}"):
         pg.all_gather_single(torch.empty(7, device=dev), torch.empty(4, device=dev), False)
     with pytest.raises(ValueError, match="src=5 is not a rank"):
         pg.broadcast(torch.ones(4, device=dev), 5, False)
@@ -258,10 +261,13 @@ def test_gpu_stream_semantics(gpu_ranks):
 @cuda
 @needs_gpu
 def test_gpu_bad_arguments(gpu_ranks):
-    assert gpu_ranks.run(_gpu_bad_arguments) == ["[2.0, 2.0, 2.0, 2.0]"] * 2
+    n = gpu_ranks.world_size
+    assert gpu_ranks.run(_gpu_bad_arguments) == [str([float(n)] * 4)] * n
 
 
 @cuda
 @needs_gpu
 def test_gpu_timeout_fails_the_work_and_the_group(gpu_ranks):
+    if gpu_ranks.world_size < 2:
+        pytest.skip("needs a peer that does not join")
     assert gpu_ranks.run(_gpu_timeout, timeout=120) == ["failed", ""]

@@ -128,7 +128,7 @@ WorkPtr NcclEngine::allReduce(const at::Tensor& tensor, RedOp op,
                   if (buf.numel() == 0) return;
                   comm_->run("ncclAllReduce", [&](ncclComm_t c) {
                     return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
-                                         nccl::dataType(dtype), nccl::redOp(op), c,
+                                         nccl::dataType(dtype), nccl::redOp(op, size_), c,
                                          stream);
                   }, deadline);
                   copyBack(tensor, buf);
@@ -213,7 +213,7 @@ WorkPtr NcclEngine::reduceScatterSingle(const at::Tensor& output,
                   if (out.numel() == 0) return;
                   comm_->run("ncclReduceScatter", [&](ncclComm_t c) {
                     return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
-                                             nccl::dataType(dtype), nccl::redOp(op), c,
+                                             nccl::dataType(dtype), nccl::redOp(op, size_), c,
                                              stream);
                   }, deadline);
                   copyBack(output, out);
@@ -245,7 +245,7 @@ WorkPtr NcclEngine::reduceTo(const at::Tensor& tensor, RedOp op, int root,
                   // NCCL writes the receive buffer on the root only.
                   comm_->run("ncclReduce", [&](ncclComm_t c) {
                     return ncclReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
-                                      nccl::dataType(dtype), nccl::redOp(op), root, c, stream);
+                                      nccl::dataType(dtype), nccl::redOp(op, size_), root, c, stream);
                   }, deadline);
                   if (rank_ == root) copyBack(tensor, buf);
                 });
@@ -412,7 +412,7 @@ WorkPtr NcclEngine::allReduceCoalesced(const std::vector<at::Tensor>& tensors, R
                   if (p.input.numel() == 0) return;
                   comm_->run("ncclAllReduce (coalesced)", [&](ncclComm_t c) {
                     return ncclAllReduce(p.input.data_ptr(), p.input.data_ptr(), p.input.numel(),
-                                         nccl::dataType(dtype), nccl::redOp(op), c, stream);
+                                         nccl::dataType(dtype), nccl::redOp(op, size_), c, stream);
                   }, deadline);
                   p.unpack();
                 });
@@ -456,7 +456,7 @@ WorkPtr NcclEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& output
                   comm_->run("ncclReduceScatter (coalesced)", [&](ncclComm_t c) {
                     return ncclReduceScatter(p.input.data_ptr(), p.output.data_ptr(),
                                              p.output.numel(), nccl::dataType(dtype),
-                                             nccl::redOp(op), c, stream);
+                                             nccl::redOp(op, size_), c, stream);
                   }, deadline);
                   p.unpack();
                 });

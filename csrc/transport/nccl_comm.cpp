@@ -61,10 +61,10 @@ ncclDataType_t dataType(DataType t) {
   return ncclUint8;
 }
 
-ncclRedOp_t redOp(RedOp op) {
+ncclRedOp_t redOp(RedOp op, int ranks) {
   switch (op) {
     case RedOp::Sum: return ncclSum;
-    case RedOp::Avg: return ncclAvg;
+    case RedOp::Avg: return ranks == 1 ? ncclSum : ncclAvg;
     case RedOp::Product: return ncclProd;
     case RedOp::Min: return ncclMin;
     case RedOp::Max: return ncclMax;
