@@ -93,26 +93,27 @@ def uses_extra(case: Case, rank: int, micro: int) -> bool:
 
 
 def grads(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
-    return {n: None if p.grad is None else p.grad.detach().clone()
+    return {n: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
             for n, p in model.named_parameters()}
 
 
 def params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 def train(case: Case, model: nn.Module, wrapped: Callable, rank: int,
-          no_sync: Callable[[], Any]) -> List[Dict[str, Any]]:
+          no_sync: Callable[[], Any], device: str = "cpu") -> List[Dict[str, Any]]:
     """Runs ``case`` through ``wrapped`` (a DDP) on ``rank``; a record per step.
 
     Record 0 holds the parameters before training; record s the gradients
-    just before step s's optimizer step and the parameters after it.
+    just before step s's optimizer step and the parameters after it, copied to
+    the CPU. Batches are made on the CPU and moved to ``device``, the model's.
     """
     opt = make_optimizer(case, model.parameters())
     records: List[Dict[str, Any]] = [{"params": params(model)}]
     for step in range(case.steps):
         for micro in range(case.accumulate + 1):
-            x, y = batch(case, step, micro, rank)
+            x, y = (t.to(device) for t in batch(case, step, micro, rank))
             sync = micro == case.accumulate
             with contextlib.nullcontext() if sync else no_sync():
                 loss = F.cross_entropy(wrapped(x, use_extra=uses_extra(case, rank, micro)), y)

@@ -14,6 +14,9 @@ unchanged with ``ctx.state["device"]`` set:
   ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else
   skipped).
 
+pyddp's DistributedDataParallel trains a module on the GPU through these
+groups to what one process computes on the CPU (test_ddp's cases and reference).
+
 Every test is marked ``cuda`` and skips without a GPU.
 """
 
@@ -27,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
+                       reference, train, unpack)
 from harness import RankContext, Ranks
 from test_collectives import (_all_gather_cases, _all_reduce_cases, _broadcast_cases,
                               _half_types_accumulate_in_fp32, _random_floats,
@@ -166,3 +171,32 @@ def _auto_serves_both_devices(ctx: RankContext) -> str:
 def test_auto_group_serves_cpu_and_cuda_tensors(ranks):
     # Two processes on one host: cuda_ipc connects.
     assert ranks.run(_auto_serves_both_devices) == [{"cpu": "shm", "cuda": "cuda_ipc"}] * WORLD
+
+
+# Buckets of one parameter each and gradients as bucket views; no_sync micro-batches.
+DDP_CASES = {
+    "default": Case(),
+    "small_buckets_as_views": Case(ddp={"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True}),
+    "accumulate": Case(accumulate=1, model={"batchnorm": True}),
+}
+# cuBLAS and the CPU sum a matrix product in different orders.
+GPU_RTOL, GPU_ATOL = 1e-3, 1e-5
+
+
+def _ddp_trains(ctx: RankContext, group: str, case: Case) -> bytes:
+    device = ctx.state["device"]
+    model = make_model(case, ctx.rank).to(device)
+    ddp = pyddp.DistributedDataParallel(model, device_ids=[device],
+                                        process_group=ctx.groups[group], **case.ddp)
+    return pack(train(case, model, ddp, ctx.rank, ddp.no_sync, device=device))
+
+
+@pytest.mark.parametrize("group", ["auto", "ring", "nccl"])
+@pytest.mark.parametrize("case", DDP_CASES)
+def test_ddp_trains_as_one_process_does(ranks, group, case):
+    _skip_missing(group)
+    records = [unpack(r) for r in ranks.run(_ddp_trains, group, DDP_CASES[case])]
+    what = f"DDP on the GPU over {group}, case {case}"
+    assert_identical_records(records, what)
+    assert_close_records(records[0], reference(DDP_CASES[case], WORLD), what,
+                         rtol=GPU_RTOL, atol=GPU_ATOL)
