@@ -23,6 +23,7 @@ Every test is marked ``cuda`` and skips without a GPU.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import pytest
@@ -157,6 +158,32 @@ def _stream_semantics(ctx: RankContext) -> None:
 
 def test_stream_semantics(ranks):
     ranks.run(_stream_semantics)
+
+
+def _tensors_outlive_their_group(ctx: RankContext, backend: str) -> float:
+    """A tensor a collective used, freed after its group is destroyed: the caching
+    allocator then records an event on the group's stream (the collective's
+    record_stream), which must still exist. Twice, so a group follows a destroyed one."""
+    dev, n = ctx.state["device"], ctx.world_size
+    for life in range(2):
+        store = dist.FileStore(ctx.store_path(f"{backend}_life{life}"), n)
+        pg = pyddp.new_group(backend, store=store, rank=ctx.rank, world_size=n,
+                             timeout=datetime.timedelta(seconds=60))
+        t = torch.full((1 << 20,), float(ctx.rank + 1), device=dev)
+        pg.all_reduce(t)
+        total = t[-1].item()
+        pyddp.destroy_process_group(pg)
+        del pg
+        gc.collect()  # the engine, and with it the stream, is gone
+        del t
+        torch.cuda.synchronize(dev)
+    return total
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nccl"])
+def test_tensors_outlive_their_group(ranks, backend):
+    _skip_missing(backend)
+    assert ranks.run(_tensors_outlive_their_group, backend) == [WORLD * (WORLD + 1) / 2] * WORLD
 
 
 def _auto_serves_both_devices(ctx: RankContext) -> str:

@@ -24,9 +24,17 @@ CollectiveStream::CollectiveStream(c10::Device device)
 CollectiveStream::~CollectiveStream() {
   // Whatever is still queued must not touch freed memory: let it drain.
   // Errors are ignored (a destructor cannot report them).
+  //
+  // The stream itself is never destroyed. A tensor a collective used carries
+  // it in its record_stream set, and whenever the caller frees that tensor
+  // (after the group is gone, too) the caching allocator records an event on
+  // the stream; on a destroyed stream that fails inside the tensor's
+  // destructor and aborts the process (seen on an H200: a bench rank that
+  // destroyed a group, then freed a tensor the group had reduced). Nor is it
+  // handed to a later engine, so no two engines ever share a stream's order.
+  // A process keeps one stream per GPU engine it made.
   QuietDeviceGuard guard(device_.index());
   cudaStreamSynchronize(stream_.stream());
-  cudaStreamDestroy(stream_.stream());
 }
 
 namespace {

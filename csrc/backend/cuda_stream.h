@@ -16,8 +16,9 @@ namespace pyddp {
 namespace gpu {
 
 // An engine's internal stream on one device: a stream of its own, not one
-// of torch's pool (which other code shares): a collective that waits on a
-// peer must never hold up unrelated work queued behind it.
+// of torch's pool (which other code shares) nor an earlier engine's: a
+// collective that waits on a peer must never hold up unrelated work queued
+// behind it. It outlives the engine (cuda_stream.cpp says why).
 class CollectiveStream {
  public:
   explicit CollectiveStream(c10::Device device);
