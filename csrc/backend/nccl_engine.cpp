@@ -245,7 +245,8 @@ WorkPtr NcclEngine::reduceTo(const at::Tensor& tensor, RedOp op, int root,
                   // NCCL writes the receive buffer on the root only.
                   comm_->run("ncclReduce", [&](ncclComm_t c) {
                     return ncclReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
-                                      nccl::dataType(dtype), nccl::redOp(op, size_), root, c, stream);
+                                      nccl::dataType(dtype), nccl::redOp(op, size_), root, c,
+                                      stream);
                   }, deadline);
                   if (rank_ == root) copyBack(tensor, buf);
                 });
