@@ -7,7 +7,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <torch/version.h>
 
 #include <memory>

@@ -6,7 +6,7 @@
 
 #include <pybind11/stl.h>
 #include <sys/stat.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <map>
