@@ -12,7 +12,7 @@ impossible). Release builds carry no debug info (-g0); DEBUG=1 builds -O0 -g
 with assertions. PYDDP_BUILD_TESTING=0
 leaves out csrc/testing/ (the _testing submodule pyddp's tests use).
 PYDDP_SANITIZE=address,undefined (or thread) instruments the C++ sources
-with gcc's sanitizers (-O1 -g); Python is not instrumented, so the runtime
+with gcc's sanitizers (-O1 -g1); Python is not instrumented, so the runtime
 must be preloaded into it (LD_PRELOAD=$(gcc -print-file-name=libasan.so) ...;
 .ci/run shows how).
 
@@ -169,7 +169,10 @@ def sanitizer_flags() -> list:
     # vptr checks need the type info of every class a pointer may hold, and
     # torch's and pybind11's are spread over libraries built without it.
     vptr = ["-fno-sanitize=vptr"] if "undefined" in names else []
-    return [f"-fsanitize={SANITIZE}", *vptr, "-fno-omit-frame-pointer", "-g"]
+    # Line tables only (-g1, after Python's -g): reports keep file and line, and
+    # a unit compiles in about two thirds of the time (arg_checks.cpp under
+    # ASan+UBSan: 71 -> 49 s).
+    return [f"-fsanitize={SANITIZE}", *vptr, "-fno-omit-frame-pointer", "-g" if DEBUG else "-g1"]
 
 
 def extension():
@@ -178,7 +181,7 @@ def extension():
     # a release build drops the debug info (-g0), which nearly halves its compile
     # time (torch 2.13, 2 cores, CPU-only, from scratch: 381 -> 213 s; the .so
     # 54 -> 2.6 MB).
-    # Sanitizer builds keep -g, for file and line in their reports.
+    # Sanitizer builds keep line tables (sanitizer_flags).
     opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O1"] if SANITIZE else ["-O3"]
     release = [] if DEBUG or SANITIZE else ["-g0"]
     sanitize = sanitizer_flags()
