@@ -169,23 +169,22 @@ def sanitizer_flags() -> list:
     # vptr checks need the type info of every class a pointer may hold, and
     # torch's and pybind11's are spread over libraries built without it.
     vptr = ["-fno-sanitize=vptr"] if "undefined" in names else []
-    # Line tables only (-g1, after Python's -g): reports keep file and line, and
-    # a unit compiles in about two thirds of the time (arg_checks.cpp under
-    # ASan+UBSan: 71 -> 49 s).
-    return [f"-fsanitize={SANITIZE}", *vptr, "-fno-omit-frame-pointer", "-g" if DEBUG else "-g1"]
+    return [f"-fsanitize={SANITIZE}", *vptr, "-fno-omit-frame-pointer"]
 
 
 def extension():
     cuda, nccl = cuda_plan()
-    # Python's own CFLAGS carry -DNDEBUG and -g. A debug build wants assertions;
-    # a release build drops the debug info (-g0), which nearly halves its compile
-    # time (torch 2.13, 2 cores, CPU-only, from scratch: 381 -> 213 s; the .so
-    # 54 -> 2.6 MB).
-    # Sanitizer builds keep line tables (sanitizer_flags).
+    # Python's own CFLAGS carry -DNDEBUG and -g. A debug build wants assertions.
     opt = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O1"] if SANITIZE else ["-O3"]
-    release = [] if DEBUG or SANITIZE else ["-g0"]
+    # g++'s debug info, after Python's -g (.cu files keep nvcc's defaults): full
+    # for DEBUG=1; line tables only (-g1) for a sanitizer build, so reports keep
+    # file and line while a unit compiles in about two thirds of the time
+    # (arg_checks.cpp under ASan+UBSan: 71 -> 49 s); none (-g0) for a release
+    # build, which nearly halves its compile time (torch 2.13, 2 cores, CPU-only,
+    # from scratch: 381 -> 213 s; the .so 54 -> 2.6 MB).
+    debug_info = [] if DEBUG else ["-g1"] if SANITIZE else ["-g0"]
     sanitize = sanitizer_flags()
-    cxx = ["-std=c++20", *opt, *release, "-Wall", "-Wno-unused-parameter", *sanitize]
+    cxx = ["-std=c++20", *opt, *debug_info, "-Wall", "-Wno-unused-parameter", *sanitize]
     kwargs = dict(
         name="pyddp._C",
         sources=sources(cuda, TESTING),
