@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,8 @@ def params(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def train(case: Case, model: nn.Module, wrapped: Callable, rank: int,
-          no_sync: Callable[[], Any], device: str = "cpu") -> List[Dict[str, Any]]:
+          no_sync: Callable[[], Any], device: Union[str, torch.device] = "cpu"
+          ) -> List[Dict[str, Any]]:
     """Runs ``case`` through ``wrapped`` (a DDP) on ``rank``; a record per step.
 
     Record 0 holds the parameters before training; record s the gradients
