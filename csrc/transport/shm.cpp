@@ -93,6 +93,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       spinPhase_(Backoff::spinPhaseFor(worldSize)),
+      pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
       segments_(worldSize) {
   options.validate();
 }
@@ -376,9 +377,9 @@ void ShmTransport::failIfGaveUp(int peer, uint64_t upTo) const {
 }
 
 template <typename Ready>
-void ShmTransport::waitFor(int peer, Ready&& ready) {
+void ShmTransport::waitFor(int peer, Clock::duration spinPhase, Ready&& ready) {
   if (ready()) return;
-  Backoff backoff(spinPhase_);
+  Backoff backoff(spinPhase);
   while (!ready()) {
     const bool due = backoff.pause();
     if (backoff.pastSpinning() && interruptRequested()) {
@@ -442,7 +443,8 @@ void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline)
   for (int k = 0; k < worldSize_; ++k) {
     if (k == rank_) continue;
     const DescriptorSlot& theirs = header(k).desc[slot];
-    waitFor(k, [&] { return theirs.published.load(std::memory_order_acquire) >= desc.seq; });
+    waitFor(k, spinPhase_,
+            [&] { return theirs.published.load(std::memory_order_acquire) >= desc.seq; });
     const std::string why = mismatch(desc, rank_, theirs.desc, k);
     PYDDP_CHECK_COMM(why.empty(), why);
   }
@@ -454,7 +456,8 @@ char* ShmTransport::claimSendSlot() {
   if (k >= static_cast<uint64_t>(numSlots_)) {
     const auto& consumed = header(right).consumed.value;
     const uint64_t need = k + 1 - numSlots_;
-    waitFor(right, [&] { return consumed.load(std::memory_order_acquire) >= need; });
+    waitFor(right, pieceSpinPhase_,
+            [&] { return consumed.load(std::memory_order_acquire) >= need; });
   }
   return segments_[rank_].slots + (k % numSlots_) * slotBytes_;
 }
@@ -468,7 +471,7 @@ const char* ShmTransport::awaitRecvSlot() {
   const uint64_t k = received_;
   const int left = (rank_ + worldSize_ - 1) % worldSize_;
   const auto& posted = header(left).posted.value;
-  waitFor(left, [&] { return posted.load(std::memory_order_acquire) >= k + 1; });
+  waitFor(left, pieceSpinPhase_, [&] { return posted.load(std::memory_order_acquire) >= k + 1; });
   return segments_[left].slots + (k % numSlots_) * slotBytes_;
 }
 
@@ -544,7 +547,7 @@ void ShmTransport::exchange() {
   for (int k = 0; k < worldSize_; ++k) {
     if (k == rank_) continue;
     const auto& staged = header(k).staged.value;
-    waitFor(k, [&] { return staged.load(std::memory_order_acquire) >= rounds_; });
+    waitFor(k, spinPhase_, [&] { return staged.load(std::memory_order_acquire) >= rounds_; });
   }
 }
 

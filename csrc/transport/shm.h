@@ -243,8 +243,10 @@ class ShmTransport final : public Transport,
   void releaseRecv();
 
   // Blocks until ready() holds; `peer` is the rank whose progress it needs.
+  // `spinPhase`: spinPhase_ to wait for a peer to arrive, pieceSpinPhase_
+  // for a slot.
   template <typename Ready>
-  void waitFor(int peer, Ready&& ready);
+  void waitFor(int peer, Clock::duration spinPhase, Ready&& ready);
   // Throws if waiting on `peer` cannot end: the group is being destroyed,
   // the peer gave up or died (peerWasAlive is false: it was gone before its
   // flag was found unset), or the deadline passed. The message names the
@@ -266,8 +268,10 @@ class ShmTransport final : public Transport,
   const size_t directBytes_;
   const std::string hostId_;
   const std::string pidNamespace_;
-  // How long a wait spins before it yields: none with more ranks than cores.
+  // How long a wait spins before it yields (Backoff::spinPhaseFor,
+  // pieceSpinPhaseFor): none with more ranks than cores.
   const Clock::duration spinPhase_;
+  const Clock::duration pieceSpinPhase_;
 
   std::string ownName_;   // chosen by reserve()
   bool linked_ = false;  // own segment name still exists in /dev/shm

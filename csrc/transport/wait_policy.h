@@ -11,6 +11,13 @@
 // under --oversubscribe too). 4 ranks on 2 cores, all_reduce of 4 KiB:
 // 60.9 us spinning first, 34.0 us yielding at once (3 ranks: 69.4 and
 // 14.3 us; `python -m pyddp.bench --world-size 4`, benchmarks/README.md).
+//
+// A wait for a ring slot spins for much less (kPieceSpinPhase): the peer is
+// inside the same collective, moving a piece that takes microseconds, so a
+// piece that is late means the peer is not running, and spinning takes the
+// core from whatever this rank's other thread has to do (DDP's backward,
+// while the worker all-reduces buckets). On an idle core a yield returns at
+// once, so the cost of yielding early is a system call per look.
 #pragma once
 
 #include <sched.h>
@@ -31,6 +38,12 @@ namespace pyddp {
 class Backoff {
  public:
   static constexpr auto kSpinPhase = std::chrono::microseconds(20);
+  // DDP's benchmark model (pyddp/bench/ddp.py), 2 ranks on 2 cores, runs of
+  // the same processes interleaved: the worker's CPU time per step was
+  // 31.7-36.7 ms spinning 20 us for a slot, 23.3-26.7 ms spinning 2 us and
+  // 25.0 ms not spinning; synchronous all_reduce, all_gather and broadcast
+  // from 16 KiB to 64 MiB showed no difference beyond the runs' noise.
+  static constexpr auto kPieceSpinPhase = std::chrono::microseconds(2);
   static constexpr auto kYieldPhase = std::chrono::milliseconds(2);
   static constexpr auto kSleepQuantum = std::chrono::microseconds(50);
   // Reading /proc/<pid>/stat of a peer costs microseconds: look every
@@ -45,6 +58,10 @@ class Backoff {
   // The spin phase for `ranks` ranks on this host: none when they outnumber
   // the cores this process may run on.
   static Clock::duration spinPhaseFor(int ranks);
+  // The same for a wait on a peer that is inside the collective (a slot).
+  static Clock::duration pieceSpinPhaseFor(int ranks) {
+    return std::min<Clock::duration>(spinPhaseFor(ranks), kPieceSpinPhase);
+  }
 
   // Something moved: wait as if from the start (spin first).
   void restart() {
