@@ -7,6 +7,8 @@ Which extension:
   are found;
 - CppExtension (CPU only) otherwise, with a warning saying why when torch is
   a CUDA build.
+The module links libstdc++ dynamically whatever the compiler adds, and the
+build fails if it carries a C++ runtime of its own (pyddp/_runtime.py).
 PYDDP_BUILD_CUDA=0/1 forces the choice (1 fails loudly when a CUDA build is
 impossible). Release builds carry no debug info (-g0); DEBUG=1 builds -O0 -g
 with assertions. PYDDP_BUILD_TESTING=0
@@ -34,6 +36,7 @@ GPU torch runs on, at the cost of a longer build.
 """
 
 import glob
+import importlib.util
 import os
 import re
 import subprocess
@@ -50,6 +53,11 @@ from setuptools import setup  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# pyddp/_runtime.py alone: the package's __init__ needs the extension this file builds.
+_spec = importlib.util.spec_from_file_location("_pyddp_runtime",
+                                               os.path.join(HERE, "pyddp", "_runtime.py"))
+runtime = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runtime)
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 SANITIZE = os.environ.get("PYDDP_SANITIZE", "")
 TESTING = os.environ.get("PYDDP_BUILD_TESTING", "1") != "0"
@@ -190,7 +198,11 @@ def extension():
         sources=sources(cuda, TESTING),
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
-        extra_link_args=sanitize,
+        # libstdc++ by name, before the libraries the compiler driver appends: the shared
+        # runtime then resolves every C++ symbol, so a driver told -static-libstdc++ (some
+        # vendor images' wrappers add it) never pulls the archive in. BuildExtension below
+        # checks the outcome (pyddp/_runtime.py says why two runtimes break).
+        extra_link_args=[*sanitize, "-lstdc++"],
         define_macros=[("PYDDP_WITH_TESTING", "1")] if TESTING else [],
     )
     if not cuda:
@@ -206,9 +218,19 @@ def extension():
     return cpp_extension.CUDAExtension(**kwargs)
 
 
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build, then a check that the module uses the process's C++ runtime."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        why = runtime.own_runtime(self.get_ext_fullpath(ext.name))
+        if why:
+            raise RuntimeError(f"setup.py: {why}")
+
+
 # The package's metadata and extras are in pyproject.toml; this file adds
 # the extension.
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtension},
 )

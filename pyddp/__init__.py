@@ -28,6 +28,22 @@ from ._version import __version__
 _REBUILD = ("rebuild pyddp against the torch that runs it: `python -m pip install "
             "--no-build-isolation -e .` (or `python setup.py build_ext --inplace`) in pyddp's "
             "source tree")
+
+
+def _refuse_a_second_runtime() -> None:
+    """Raises ImportError, before it is loaded, for an extension that carries its own C++
+    runtime: loading it would crash, or format numbers as empty strings (_runtime.py)."""
+    import importlib.util
+
+    from ._runtime import own_runtime
+
+    spec = importlib.util.find_spec(f"{__name__}._C")
+    why = own_runtime(spec.origin) if spec is not None and spec.origin else None
+    if why:
+        raise ImportError(f"pyddp's C++ extension cannot be loaded: {why}")
+
+
+_refuse_a_second_runtime()
 try:
     from . import _C
 except ImportError as _error:
