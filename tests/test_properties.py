@@ -7,8 +7,11 @@ Every rank runs the same program on inputs it derives from (seed, call,
 rank), so the ranks agree on the calls; the test process rebuilds every
 rank's inputs the same way and checks every rank's outputs against an
 independent numpy reference. Shrinking re-runs smaller programs on the same
-pool. The second property gives one rank an invalid argument and checks that
-every rank gets an error and that the group behaves as documented afterwards.
+pool. The second draws programs of point-to-point messages (tags repeating,
+receives posted in any order), all_to_all with uneven splits and subgroups made
+and used, checked the same way. The third gives one rank an invalid argument
+and checks that every rank gets an error and that the group behaves as
+documented afterwards.
 A failure found here is to be kept, shrunk, as a regular test at the end of
 this module.
 """
@@ -292,6 +295,151 @@ PROPERTY = settings(max_examples=40, **BOUNDED)
        seed=st.integers(0, 2**32 - 1))
 def test_random_collective_sequences_match_numpy(ranks, config, program, seed):
     check_results(program, seed, ranks.run(run_program, next(_examples), config, program, seed))
+
+
+# --- point-to-point, all_to_all and subgroups -----------------------------------------
+#
+# A program of steps, each one of: messages between pairs of ranks (isend in list order,
+# irecv in a drawn order, then every Work waited for), an all_to_all_single with drawn
+# uneven splits, or a subgroup of drawn members made, all-reduced in and destroyed. Tags
+# repeat, so messages of one pair and tag must arrive in the order they were sent.
+
+TAGS = st.one_of(st.integers(0, 3), st.sampled_from([2**31 - 1, 12345]))
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int
+    dst: int
+    tag: int
+    count: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "p2p", "all_to_all" or "subgroup"
+    dtype: str
+    messages: Tuple[Message, ...] = ()
+    # Receive order (indices into messages); messages of one (src, dst, tag) keep theirs.
+    order: Tuple[int, ...] = ()
+    splits: Tuple[Tuple[int, ...], ...] = ()  # splits[i][j]: elements rank i sends rank j
+    members: Tuple[int, ...] = ()
+    count: int = 0  # elements of a subgroup's all_reduce
+
+
+def _moved(dtype: str, count: int) -> Call:
+    """The Call whose inputs (inputs_of) fill a message of `count` moved elements."""
+    return Call("broadcast", dtype, "SUM", count, 0, False, "dense")
+
+
+def message_data(seed: int, step: int, index: int, m: Message) -> np.ndarray:
+    return inputs_of(_moved(m.dtype, m.count), seed, step * 1000 + index, m.src)
+
+
+def all_to_all_input(seed: int, step: int, s: Step, rank: int) -> np.ndarray:
+    return inputs_of(_moved(s.dtype, sum(s.splits[rank])), seed, step * 1000, rank)
+
+
+def _sum_call(s: Step) -> Call:
+    return Call("all_reduce", s.dtype, "SUM", s.count, 0, False, "dense")
+
+
+def run_exchanges(ctx: RankContext, example: int, steps: List[Step], seed: int) -> list:
+    pg = _make_group(ctx, example, "auto", 60)
+    limit = datetime.timedelta(seconds=60)
+    me = ctx.rank
+    try:
+        results = []
+        for i, s in enumerate(steps):
+            if s.kind == "p2p":
+                sends = [pg.isend(_torch(message_data(seed, i, k, m), m.dtype), m.dst, m.tag)
+                         for k, m in enumerate(s.messages) if m.src == me]
+                recvs = []
+                for k in s.order:
+                    m = s.messages[k]
+                    if m.dst == me:
+                        t = _torch(np.zeros(m.count, _np_dtype(m.dtype)), m.dtype)
+                        recvs.append((k, t, pg.irecv(t, m.src, m.tag)))
+                for work in sends:
+                    work.wait(limit)
+                for _, _, work in recvs:
+                    work.wait(limit)
+                results.append({k: _numpy(t) for k, t, _ in recvs})
+            elif s.kind == "all_to_all":
+                inp = _torch(all_to_all_input(seed, i, s, me), s.dtype)
+                received = [s.splits[k][me] for k in range(WORLD)]
+                out = _torch(np.zeros(sum(received), _np_dtype(s.dtype)), s.dtype)
+                pg.all_to_all_single(out, inp, received, list(s.splits[me]))
+                results.append(_numpy(out))
+            else:
+                sub = pyddp.new_group(list(s.members), group=pg)
+                if me not in s.members:
+                    results.append(None)
+                    continue
+                t = _torch(inputs_of(_sum_call(s), seed, i * 1000, me), s.dtype)
+                sub.all_reduce(t)
+                results.append(_numpy(t))
+                sub.shutdown()
+        return results
+    finally:
+        pg.shutdown()
+
+
+@st.composite
+def steps(draw) -> Step:
+    kind = draw(st.sampled_from(["p2p", "all_to_all", "subgroup"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    if kind == "all_to_all":
+        row = st.tuples(*[st.integers(0, 40)] * WORLD)
+        return Step(kind, dtype, splits=draw(st.tuples(*[row] * WORLD)))
+    if kind == "subgroup":
+        members = draw(st.sets(st.integers(0, WORLD - 1), min_size=1))
+        return Step(kind, dtype, members=tuple(sorted(members)), count=draw(COUNTS))
+    pairs = st.tuples(st.integers(0, WORLD - 1), st.integers(1, WORLD - 1))
+    messages = tuple(Message(src, (src + hop) % WORLD, draw(TAGS), draw(COUNTS),
+                             draw(st.sampled_from(DTYPES)))
+                     for src, hop in draw(st.lists(pairs, min_size=1, max_size=8)))
+    # A drawn permutation, then each (src, dst, tag)'s positions refilled in send order.
+    order = list(draw(st.permutations(range(len(messages)))))
+    for key in {(m.src, m.dst, m.tag) for m in messages}:
+        same = [k for k in range(len(messages)) if (messages[k].src, messages[k].dst,
+                                                    messages[k].tag) == key]
+        at = sorted(order.index(k) for k in same)
+        for position, k in zip(at, same):
+            order[position] = k
+    return Step(kind, dtype, messages=messages, order=tuple(order))
+
+
+def check_exchanges(program: List[Step], seed: int, per_rank: list) -> None:
+    for rank, results in enumerate(per_rank):
+        for i, (s, got) in enumerate(zip(program, results)):
+            what = f"rank {rank}, step {i}: {s}"
+            if s.kind == "p2p":
+                mine = {k for k, m in enumerate(s.messages) if m.dst == rank}
+                assert set(got) == mine, what
+                for k in mine:
+                    np.testing.assert_array_equal(
+                        got[k], message_data(seed, i, k, s.messages[k]), err_msg=f"{what} [{k}]")
+            elif s.kind == "all_to_all":
+                blocks = []
+                for k in range(WORLD):
+                    start = sum(s.splits[k][:rank])
+                    blocks.append(all_to_all_input(seed, i, s, k)[start:start +
+                                                                   s.splits[k][rank]])
+                np.testing.assert_array_equal(got, np.concatenate(blocks), err_msg=what)
+            elif rank not in s.members:
+                assert got is None, what
+            else:
+                want = reference_reduce(np.stack([inputs_of(_sum_call(s), seed, i * 1000, r)
+                                                  for r in s.members]), "SUM", s.dtype)
+                np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+@settings(max_examples=20, **BOUNDED)
+@given(program=st.lists(steps(), min_size=1, max_size=5), seed=st.integers(0, 2**32 - 1))
+def test_random_p2p_all_to_all_and_subgroup_sequences_match_numpy(ranks, program, seed):
+    check_exchanges(program, seed, ranks.run(run_exchanges, next(_examples), program, seed))
 
 
 # --- invalid arguments on one rank ---------------------------------------------------

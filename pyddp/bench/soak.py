@@ -6,9 +6,11 @@ spawned CPU ranks, every rank's resources sampled, failing if any grows after wa
 Every cycle, on every rank and in the same order: all_reduce, all_gather,
 broadcast (the root turns), reduce_scatter, all_to_all, a ring of
 point-to-point exchanges (batch_isend_irecv) and an asynchronous barrier on the
-default group, each checked against the value it must have; one training step
-of pyddp's DistributedDataParallel; and a new group of every rank created, used
-for an all_reduce and destroyed. The message sizes turn between 4 bytes, 4 KB
+default group, then two tagged messages to the next rank received in the
+opposite order, each checked against the value it must have; one training step
+of pyddp's DistributedDataParallel; a new group of every rank created, used for
+an all_reduce and destroyed; and a subgroup of every rank but one (the one left
+out turns), likewise. The message sizes turn between 4 bytes, 4 KB
 and 1 MiB.
 
 The store is a TCPStore hosted by this process, as torchrun's agent hosts it
@@ -211,7 +213,33 @@ def _cycle(pg, cycle: int) -> None:
         work.wait()
     _check("send/recv", got, torch.full((s,), float((r - 1) % n + 1)))
 
+    # Two tags received in the order opposite to the sends': the first message waits
+    # unexpected while the second is taken.
+    sends = [pg.isend(torch.full((s,), float(r + tag)), (r + 1) % n, tag) for tag in (1, 2)]
+    for tag in (2, 1):
+        got = torch.empty(s)
+        pg.irecv(got, (r - 1) % n, tag).wait()
+        _check(f"recv of tag {tag}", got, torch.full((s,), float((r - 1) % n + tag)))
+    for work in sends:
+        work.wait()
+
     pg.barrier(async_op=True).wait()
+
+
+def _group_cycle(members: List[int], rank: int, size: int) -> None:
+    """A new group of ``members`` of the default group, used for an all_reduce and destroyed.
+    Its object goes at return, and with it the shared memory its engines map, so that
+    every sample sees the same groups alive whichever ranks were members."""
+    import pyddp
+
+    group = pyddp.new_group(members)
+    if rank not in members:
+        return
+    x = torch.full((size,), float(rank))
+    group.all_reduce(x)
+    _check(f"all_reduce on a new group of ranks {members}", x,
+           torch.full_like(x, float(sum(members))))
+    pyddp.destroy_process_group(group)
 
 
 def _rank(rank: int, args: argparse.Namespace, store_port: int, lines) -> List[Resources]:
@@ -240,11 +268,10 @@ def _rank(rank: int, args: argparse.Namespace, store_port: int, lines) -> List[R
             nn.functional.mse_loss(model(inputs), targets).backward()
             optimizer.step()
             optimizer.zero_grad()
-            group = pyddp.new_group(list(range(n)))
-            x = torch.ones(SIZES[cycle % len(SIZES)])
-            group.all_reduce(x)
-            _check("all_reduce on a new group", x, torch.full_like(x, float(n)))
-            pyddp.destroy_process_group(group)
+            size = SIZES[cycle % len(SIZES)]
+            _group_cycle(list(range(n)), rank, size)
+            # Every rank but one (the one left out turns): it goes on meanwhile.
+            _group_cycle([m for m in range(n) if m != cycle % n], rank, size)
             cycle += 1
             # Rank 0's clock decides for all, so that every rank runs the same cycles.
             elapsed = time.monotonic() - start
