@@ -53,6 +53,9 @@ void Event::block(cudaStream_t stream) const {
 }
 
 bool Event::query() const {
+  // A Work is polled from any thread (the monitor's, Python's): without the
+  // guard, one with no current context would make one on device 0.
+  QuietDeviceGuard guard(device_);
   const cudaError_t err = cudaEventQuery(event_);
   if (err == cudaErrorNotReady) return false;
   checkCuda(err, "cudaEventQuery");

@@ -93,13 +93,16 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, const CallOp
         c.finish();
       } catch (const std::exception& e) {
         // Some of its work may be on the stream already: this rank is out of
-        // step with its peers. Earlier collectives, correctly queued, finish
-        // first (bounded), so that failing the group below ends only this
-        // one's waits.
+        // step with its peers, and its queued waits can end only once they
+        // stop. So abandon first (peers see this rank's failed flag and give
+        // up, and their failed flags end this rank's waits), then drain:
+        // draining first would wait, until the timeout, for pieces that never
+        // come. Earlier collectives still in flight may fail with it; the
+        // group is unusable from here anyway.
         const std::string why = c10::str("rank ", rank_, ": ", what, " failed: ", messageOf(e));
         if (transport) {
-          drain(Clock::now() + timeout_);
           transport->abandon(why);
+          drain(Clock::now() + timeout_);
         }
         monitor_->fail(why);
         throw;

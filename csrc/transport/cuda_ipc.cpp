@@ -138,16 +138,16 @@ std::string CudaIpcTransport::setup() {
   void* base = nullptr;
   cudaCheck(cudaMalloc(&base, bytes), rank_, "cudaMalloc of the IPC buffer");
   bases_[rank_] = static_cast<char*>(base);
-  cudaCheck(cudaMemset(base, 0, bytes), rank_, "clearing the IPC buffer");
+  cudaCheck(cudaMemsetAsync(base, 0, bytes, stream_), rank_, "clearing the IPC buffer");
   std::random_device entropy;
   token_ = (static_cast<uint64_t>(entropy()) << 32) | entropy();
   IpcHeader init{};
   init.magic = kIpcMagic;
   init.layoutVersion = kIpcLayoutVersion;
   init.token = token_;
-  cudaCheck(cudaMemcpy(&header(rank_)->magic, &init.magic,
-                       offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
-                       cudaMemcpyHostToDevice),
+  cudaCheck(cudaMemcpyAsync(&header(rank_)->magic, &init.magic,
+                            offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
+                            cudaMemcpyHostToDevice, stream_),
             rank_, "writing the IPC buffer's header");
   void* words = nullptr;
   cudaCheck(cudaHostAlloc(&words, kWordsBytes, cudaHostAllocMapped), rank_,
@@ -172,9 +172,10 @@ std::string CudaIpcTransport::setup() {
   b.slotBytes = slotBytes_;
   b.numSlots = numSlots_;
   b.stagingBytes = stagingBytes_;
-  // cudaMemset and a copy from pageable memory may return before the
-  // device has them: peers must see the cleared flags and the token.
-  cudaCheck(cudaDeviceSynchronize(), rank_, "finishing the IPC buffer's setup");
+  // Peers must see the cleared flags and the token. The stream's own
+  // synchronisation, not the device's: that would also wait for other
+  // groups' pending waits, which may need this rank to go on.
+  cudaCheck(cudaStreamSynchronize(stream_), rank_, "finishing the IPC buffer's setup");
   return encode(b);
 }
 
@@ -212,11 +213,13 @@ void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
     // Prove access instead of trusting cudaDeviceCanAccessPeer: read the
     // peer's header through the mapping, write our token into its probe
     // slot and read it back.
+    // On the stream, never the device-wide synchronous copies (see setup()).
     IpcHeader theirs{};
-    cudaCheck(cudaMemcpy(&theirs.magic, &header(peer)->magic,
-                         offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
-                         cudaMemcpyDeviceToHost),
+    cudaCheck(cudaMemcpyAsync(&theirs.magic, &header(peer)->magic,
+                              offsetof(IpcHeader, probe) - offsetof(IpcHeader, magic),
+                              cudaMemcpyDeviceToHost, stream_),
               rank_, "reading a peer's IPC buffer");
+    cudaCheck(cudaStreamSynchronize(stream_), rank_, "reading a peer's IPC buffer");
     PYDDP_CHECK_COMM(theirs.magic == kIpcMagic && theirs.layoutVersion == kIpcLayoutVersion,
                      "rank ", rank_, ": cuda_ipc: rank ", peer, "'s buffer has an unexpected "
                      "layout (magic ", theirs.magic, ", version ", theirs.layoutVersion,
@@ -224,12 +227,13 @@ void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
     PYDDP_CHECK_COMM(theirs.token == b.token, "rank ", rank_, ": cuda_ipc: reading rank ", peer,
                      "'s buffer returned the wrong token: peer memory is not accessible");
     uint64_t seen = 0;
-    cudaCheck(cudaMemcpy(&header(peer)->probe[rank_], &token_, sizeof(token_),
-                         cudaMemcpyHostToDevice),
+    cudaCheck(cudaMemcpyAsync(&header(peer)->probe[rank_], &token_, sizeof(token_),
+                              cudaMemcpyHostToDevice, stream_),
               rank_, "writing a peer's IPC buffer");
-    cudaCheck(cudaMemcpy(&seen, &header(peer)->probe[rank_], sizeof(seen),
-                         cudaMemcpyDeviceToHost),
+    cudaCheck(cudaMemcpyAsync(&seen, &header(peer)->probe[rank_], sizeof(seen),
+                              cudaMemcpyDeviceToHost, stream_),
               rank_, "reading back a peer's IPC buffer");
+    cudaCheck(cudaStreamSynchronize(stream_), rank_, "reading back a peer's IPC buffer");
     PYDDP_CHECK_COMM(seen == token_, "rank ", rank_, ": cuda_ipc: a write to rank ", peer,
                      "'s buffer did not read back: peer memory is not writable");
   }
@@ -258,10 +262,9 @@ void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadl
   control_->enter(desc, deadline);
 }
 
-void CudaIpcTransport::abandon(const std::string& why) {
-  control_->abandon(why);
-  // Peers' device waits on this rank end too: the side stream does not
-  // queue behind this rank's own (maybe spinning) kernels.
+void CudaIpcTransport::raiseFailedFlag() {
+  // The side stream does not queue behind this rank's own (maybe waiting)
+  // kernels.
   if (hostWords_ && sideStream_) {
     QuietDeviceGuard scope(device_);
     cudaMemcpyAsync(const_cast<uint64_t*>(words_.ownFailed), hostWords_.get() + kOneWord,
@@ -269,9 +272,18 @@ void CudaIpcTransport::abandon(const std::string& why) {
   }
 }
 
+void CudaIpcTransport::abandon(const std::string& why) {
+  control_->abandon(why);
+  raiseFailedFlag();
+}
+
 void CudaIpcTransport::abort() {
   control_->abort();
   if (hostWords_) static_cast<volatile int64_t*>(hostWords_.get())[kAbortWord] = 1;
+  // The abort word ends this rank's waits; peers' waits on this rank end
+  // only through its failed flag, which a wait kernel raises only if one is
+  // running when the abort lands.
+  raiseFailedFlag();
 }
 
 void CudaIpcTransport::waitFor(const WaitList& waits) {

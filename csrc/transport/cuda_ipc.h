@@ -106,6 +106,8 @@ class CudaIpcTransport final : public Transport,
   }
   IpcHeader* header(int rank) const { return reinterpret_cast<IpcHeader*>(bases_[rank]); }
 
+  // Sets this rank's failed flag, so that peers' device waits on it end.
+  void raiseFailedFlag();
   // The waits and signals around one verb's data kernel.
   void waitFor(const WaitList& waits);
   void signal(const SignalList& signals);
