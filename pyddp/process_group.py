@@ -49,6 +49,7 @@ HAS_CUDA: bool = _C.has_cuda
 # otherwise. (The candidates are a table in csrc/backend/engine_registry.cpp.)
 BACKENDS = tuple(_C.backend_names())
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_TAG_MIN, _TAG_MAX = -2**31, 2**31 - 1
 
 # Each group gets its own store prefix, so a process can create, destroy and
 # re-create groups on one store.
@@ -310,6 +311,22 @@ class ProcessGroup:
                              f"this group (world_size {self._world_size})")
         return rank
 
+    def _tag_arg(self, value: object, call: str) -> int:
+        """A point-to-point tag: a 32-bit int, as torch.distributed's (the collectives' own
+        messages carry tags below every such int, so no user message can take theirs)."""
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            tag = operator.index(value)
+        except TypeError:
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: tag must be an int, got "
+                            f"{value!r}") from None
+        if not _TAG_MIN <= tag <= _TAG_MAX:
+            raise ValueError(f"pyddp: rank {self._rank}: {call}: tag={tag} is not a 32-bit int "
+                             f"(tags range from {_TAG_MIN} to {_TAG_MAX}, as "
+                             "torch.distributed's)")
+        return tag
+
     def _tensor(self, t: object, call: str, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -475,14 +492,16 @@ class ProcessGroup:
         """
         t = self._tensor(tensor, "send", "tensor")
         peer = self._rank_arg(dst, "send", "dst")
-        return Work(self._engine(t, "send", "tensor").send(t, peer, operator.index(tag), True))
+        label = self._tag_arg(tag, "send")
+        return Work(self._engine(t, "send", "tensor").send(t, peer, label, True))
 
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Work:
         """Starts receiving into ``tensor`` from rank ``src`` (a message of the same size and
         dtype, with the same tag)."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
-        return Work(self._engine(t, "recv", "tensor").recv(t, peer, operator.index(tag), True))
+        label = self._tag_arg(tag, "recv")
+        return Work(self._engine(t, "recv", "tensor").recv(t, peer, label, True))
 
     def _src_arg(self, src: Optional[int]) -> int:
         if src is None:
@@ -494,13 +513,15 @@ class ProcessGroup:
         """Sends ``tensor`` to rank ``dst``; returns once ``dst`` received it."""
         t = self._tensor(tensor, "send", "tensor")
         peer = self._rank_arg(dst, "send", "dst")
-        self._engine(t, "send", "tensor").send(t, peer, operator.index(tag), False)
+        label = self._tag_arg(tag, "send")
+        self._engine(t, "send", "tensor").send(t, peer, label, False)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into ``tensor`` from rank ``src``; returns ``src``."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
-        self._engine(t, "recv", "tensor").recv(t, peer, operator.index(tag), False)
+        label = self._tag_arg(tag, "recv")
+        self._engine(t, "recv", "tensor").recv(t, peer, label, False)
         return peer
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
@@ -647,10 +668,6 @@ def new_group(
     if len(set(members)) != len(members) or not members:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_group: ranks must be distinct ranks "
                          f"of the group, got {ranks!r}")
-    index = parent._subgroups
-    parent._subgroups += 1
-    if parent.rank() not in members:
-        return NonMemberGroup(parent.rank(), members)
     kind = parent.backend if backend is None else backend
     if kind not in BACKENDS:
         raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
@@ -659,7 +676,19 @@ def new_group(
     opts = RingOptions(pg_options if pg_options is not None else parent.options)
     opts.timeout_ms = _milliseconds(limit)
     opts.validate()
+    index = parent._subgroups
+    parent._subgroups += 1
     prefix = f"{parent._prefix}/sub{index}"
+    # Every rank of the parent, member or not, says which group it asked for
+    # before any is made: ranks that disagree (or one that skipped a
+    # new_group) would otherwise meet under the same prefix as groups of
+    # different members.
+    _C.agree_on_group(dist.PrefixStore(f"{prefix}/agree", parent._store), parent.rank(),
+                      list(range(parent.size())),
+                      f"ranks {members} of a group of {parent.size()}",
+                      f"new_group #{index + 1} of group {parent._prefix!r}", limit)
+    if parent.rank() not in members:
+        return NonMemberGroup(parent.rank(), members)
     return ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
                         members.index(parent.rank()), len(members), limit, opts, members)
 
