@@ -878,13 +878,29 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
 TORCH_BACKEND_NAME = "pyddp"
 
 
-def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
-                          timeout: datetime.timedelta) -> _C.Engine:
-    """The creator torch.distributed calls for ``init_process_group("pyddp")``.
+def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
+                          pg_options: object) -> _C.Engine:
+    """The creator torch.distributed calls for ``init_process_group("pyddp")`` and its
+    ``new_group`` calls (torch's extended creator API).
 
-    torch hands over its own (prefixed) store and the group's timeout; the
-    other settings come from the PYDDP_* variables, as for pyddp's own groups.
+    torch hands over its own (prefixed) store, the group's rank, size and timeout, and the
+    global ranks of a subgroup; the other settings come from the PYDDP_* variables, as for
+    pyddp's own groups.
     """
+    store, rank, world_size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout
+    members = list(options.global_ranks_in_group)
+    if members:
+        # A subgroup. torch names it by a count alone and calls no creator on
+        # its non-members, so its members agree on who they are (a member
+        # that asked for other members fails, naming every request it saw),
+        # and the member list is part of the store prefix: groups of other
+        # members made under the same name never meet.
+        world = dist.get_world_size()
+        _C.agree_on_group(dist.PrefixStore("agree", store), dist.get_rank(), members,
+                          f"ranks {members} of a world of {world}",
+                          "torch.distributed.new_group", timeout)
+        store = dist.PrefixStore("members=" + ",".join(map(str, members)), store)
     opts = RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
@@ -907,4 +923,5 @@ def register_torch_backend() -> None:
     """
     if TORCH_BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, devices=["cpu"])
+    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, extended_api=True,
+                                  devices=["cpu"])

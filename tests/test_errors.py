@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from collective_cases import check_equal
 from harness import Died, RankContext, Ranks, pyddp_segments, raises
 
 ReduceOp = pyddp.ReduceOp
@@ -621,6 +622,49 @@ def test_a_rank_that_finished_and_exited_is_not_blamed():
         assert ok1 and ok2
     finally:
         pool.close()
+
+
+def _subgroups_that_disagree(ctx: RankContext) -> list:
+    parent = _group(ctx, "parent")
+    r = ctx.rank
+    messages = []
+    # Rank 2 asks for another group than ranks 0 and 1 (as it does when it
+    # skipped their new_group([0, 1]) and calls the next one); then each
+    # rank asks for another pair.
+    for asked in ([[0, 1], [0, 1], [0, 1, 2]], [[0, 1], [1, 2], [0, 2]]):
+        messages.append(raises(dist.DistBackendError, "the ranks disagree on the group",
+                               pyddp.new_group, asked[r], group=parent))
+    # The parent and the groups its ranks agree on work as before.
+    sub = pyddp.new_group([0, 2], group=parent)
+    if r == 1:
+        assert isinstance(sub, pyddp.NonMemberGroup)
+    else:
+        t = torch.full((2,), float(r + 1))
+        sub.all_reduce(t)
+        check_equal(t, torch.full((2,), 4.0), "all_reduce in the subgroup agreed on")
+        sub.shutdown()
+    t = torch.full((3,), float(r))
+    parent.all_reduce(t)
+    check_equal(t, torch.full((3,), 3.0), "all_reduce in the parent")
+    # A rank that never calls new_group is named at the timeout.
+    if r < 2:
+        messages.append(raises(dist.DistBackendError, "did not call", pyddp.new_group, [0, 1],
+                               timeout=SHORT, group=parent))
+    return messages
+
+
+def test_ranks_that_disagree_on_a_subgroup_all_fail_naming_every_request(three):
+    results = three.run(_subgroups_that_disagree)
+    for r, messages in enumerate(results):
+        assert messages[0].startswith(f"pyddp: rank {r}: new_group #1 of group "), messages[0]
+        assert ("the ranks disagree on the group: ranks 0, 1 asked for ranks [0, 1] of a group "
+                "of 3; rank 2 asked for ranks [0, 1, 2] of a group of 3") in messages[0], messages
+        assert ("rank 0 asked for ranks [0, 1] of a group of 3; rank 1 asked for ranks [1, 2] of "
+                "a group of 3; rank 2 asked for ranks [0, 2] of a group of 3") in messages[1], \
+            messages
+        if r < 2:
+            assert ("rank 2 did not call new_group #4 of group " in messages[2] and
+                    f"within {int(SHORT.total_seconds() * 1000)} ms" in messages[2]), messages
 
 
 def test_settings_come_from_the_environment(monkeypatch):
