@@ -667,6 +667,66 @@ def test_ranks_that_disagree_on_a_subgroup_all_fail_naming_every_request(three):
                     f"within {int(SHORT.total_seconds() * 1000)} ms" in messages[2]), messages
 
 
+def _flag(ctx: RankContext, name: str) -> str:
+    return ctx.store_path(f"flag-{name}")
+
+
+def _wait_for_flag(ctx: RankContext, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(_flag(ctx, name)):
+        assert time.monotonic() < deadline, f"rank {ctx.rank}: no flag {name} within 60 s"
+        time.sleep(0.01)
+
+
+_CALLS = {
+    "barrier": lambda pg: pg.barrier(),
+    "all_reduce": lambda pg: pg.all_reduce(torch.ones(1000)),
+    "broadcast": lambda pg: pg.broadcast(torch.ones(1000), 0),
+}
+
+
+def _a_dead_rank_and_a_late_one(ctx: RankContext) -> dict:
+    groups = {call: _group(ctx, f"late-{call}") for call in _CALLS}
+    teardown = _group(ctx, "teardown")
+    if ctx.rank == 2:
+        os._exit(3)
+    seen = {}
+    for call, pg in groups.items():
+        if ctx.rank == 1:
+            # Rank 0 comes only once rank 1 gave up: rank 1 must not wait for it.
+            seen[call] = raises(dist.DistBackendError, ".", _CALLS[call], pg)
+            open(_flag(ctx, call), "w").close()
+        else:
+            _wait_for_flag(ctx, call)
+            seen[call] = raises(dist.DistBackendError, ".", _CALLS[call], pg)
+    # Rank 0 learns that rank 2 died (its send fails) and destroys its group
+    # while rank 1 waits for a message from it: rank 1 is told of rank 2.
+    if ctx.rank == 0:
+        teardown.send(torch.ones(2), 1, 7)
+        raises(dist.DistBackendError, "exited", teardown.send, torch.ones(2), 2, 7)
+        teardown.shutdown()
+    else:
+        teardown.recv(torch.zeros(2), 0, 7)
+        seen["teardown"] = raises(dist.DistBackendError, ".", teardown.recv, torch.zeros(2), 0, 7)
+    return seen
+
+
+def test_a_dead_rank_is_named_while_a_live_one_is_late_and_wins_over_teardowns():
+    pool = Ranks(3)
+    try:
+        seen0, seen1, died = pool.run_each([_a_dead_rank_and_a_late_one] * 3, allow_dead=True)
+        assert isinstance(died, Died) and died.exitcode == 3
+        dead = f"rank 2 (pid {pool.pid(2)}) exited"
+        for call in _CALLS:
+            assert f"{dead} before it arrived at {call} #1; rank 1 was waiting for rank 0" in \
+                seen1[call], seen1[call]
+            # Rank 0 came late and hears why rank 1 gave up, or sees rank 2 itself.
+            assert dead in seen0[call], seen0[call]
+        assert f"{dead}; then rank 0 destroyed its process group" in seen1["teardown"], seen1
+    finally:
+        pool.close()
+
+
 def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("PYDDP_SLOT_BYTES", "4096")
     monkeypatch.setenv("PYDDP_NUM_SLOTS", "3")

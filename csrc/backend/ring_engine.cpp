@@ -124,7 +124,7 @@ RingEngine::~RingEngine() {
 }
 
 void RingEngine::shutdown() {
-  if (p2p_) p2p_->shutdown(c10::str("rank ", rank_, ": the process group was destroyed"));
+  if (p2p_) p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : ""));
 #ifdef PYDDP_WITH_CUDA
   if (deviceExec_ && transport_ && transport_->peerMemory()) {
     // Peers read this rank's device memory: collectives already queued
