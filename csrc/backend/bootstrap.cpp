@@ -350,14 +350,28 @@ void agree(c10d::Store& store, int rank, const std::vector<int>& ranks,
                    out.str(), " (every rank must make the same groups, in the same order)");
 }
 
+template <typename F>
+auto StoreDirectory::ask(const std::string& key, F&& f) {
+  PYDDP_CHECK_COMM(!failed_.load(std::memory_order_relaxed), "the store failed earlier; "
+                   "not asking it for '", key, "'");
+  try {
+    return f();
+  } catch (const std::exception&) {
+    failed_.store(true, std::memory_order_relaxed);
+    throw;
+  }
+}
+
 void StoreDirectory::publish(const std::string& key, const std::string& value) {
-  store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  ask(key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
 }
 
 std::optional<std::string> StoreDirectory::lookup(const std::string& key) {
-  if (!store_->check({key})) return std::nullopt;
-  const std::vector<uint8_t> v = store_->get(key);
-  return std::string(v.begin(), v.end());
+  return ask(key, [&]() -> std::optional<std::string> {
+    if (!store_->check({key})) return std::nullopt;
+    const std::vector<uint8_t> v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  });
 }
 
 } // namespace bootstrap

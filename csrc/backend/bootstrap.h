@@ -30,6 +30,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -71,7 +72,15 @@ class StoreDirectory final : public Directory {
   std::optional<std::string> lookup(const std::string& key) override;
 
  private:
+  // `f` on the store, unless a call failed before: then it throws at once.
+  // A store fails for good when the rank that hosts it exits, and torch
+  // logs every failed call with a stack trace; a teardown that reclaims
+  // what dead peers left asks once per pair of ranks.
+  template <typename F>
+  auto ask(const std::string& key, F&& f);
+
   const c10::intrusive_ptr<c10d::Store> store_;
+  std::atomic<bool> failed_{false};
 };
 
 } // namespace bootstrap
