@@ -352,11 +352,12 @@ void agree(c10d::Store& store, int rank, const std::vector<int>& ranks,
 
 template <typename F>
 auto StoreDirectory::ask(const std::string& key, F&& f) {
-  PYDDP_CHECK_COMM(!failed_.load(std::memory_order_relaxed), "the store failed earlier; "
-                   "not asking it for '", key, "'");
+  PYDDP_CHECK_COMM(!failed_.load(std::memory_order_relaxed), "the store's connection failed "
+                   "earlier; not asking it for '", key, "'");
   try {
     return f();
-  } catch (const std::exception&) {
+  } catch (const c10::DistNetworkError&) {
+    // The connection failed: the store is gone (a refused key is not).
     failed_.store(true, std::memory_order_relaxed);
     throw;
   }

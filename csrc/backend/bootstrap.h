@@ -72,10 +72,10 @@ class StoreDirectory final : public Directory {
   std::optional<std::string> lookup(const std::string& key) override;
 
  private:
-  // `f` on the store, unless a call failed before: then it throws at once.
-  // A store fails for good when the rank that hosts it exits, and torch
-  // logs every failed call with a stack trace; a teardown that reclaims
-  // what dead peers left asks once per pair of ranks.
+  // `f` on the store, unless its connection failed before: then it throws
+  // at once. A store's connection fails for good when the rank that hosts
+  // it exits, and torch logs every failed call with a stack trace; a
+  // teardown that reclaims what dead peers left asks once per pair of ranks.
   template <typename F>
   auto ask(const std::string& key, F&& f);
 
