@@ -668,29 +668,11 @@ def new_group(
     if len(set(members)) != len(members) or not members:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_group: ranks must be distinct ranks "
                          f"of the group, got {ranks!r}")
-    kind = parent.backend if backend is None else backend
-    if kind not in BACKENDS:
-        raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
-    limit = parent.timeout if timeout is None else timeout
-    _check_timeout(limit)
-    opts = RingOptions(pg_options if pg_options is not None else parent.options)
-    opts.timeout_ms = _milliseconds(limit)
-    opts.validate()
+    settings = _subgroup_settings(parent, timeout, backend, pg_options)
     index = parent._subgroups
-    parent._subgroups += 1
-    prefix = f"{parent._prefix}/sub{index}"
-    # Every rank of the parent, member or not, says which group it asked for
-    # before any is made: ranks that disagree (or one that skipped a
-    # new_group) would otherwise meet under the same prefix as groups of
-    # different members.
-    _C.agree_on_group(dist.PrefixStore(f"{prefix}/agree", parent._store), parent.rank(),
-                      list(range(parent.size())),
-                      f"ranks {members} of a group of {parent.size()}",
-                      f"new_group #{index + 1} of group {parent._prefix!r}", limit)
-    if parent.rank() not in members:
-        return NonMemberGroup(parent.rank(), members)
-    return ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
-                        members.index(parent.rank()), len(members), limit, opts, members)
+    return _make_subgroups(parent, [members], settings,
+                           f"ranks {members} of a group of {parent.size()}",
+                           f"new_group #{index + 1} of group {parent._prefix!r}")[0]
 
 
 def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
@@ -705,9 +687,56 @@ def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
     if size <= 0 or parent.size() % size:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_subgroups: group_size {group_size} "
                          f"must divide the group's size {parent.size()}")
-    subgroups = [new_group(list(range(first, first + size)), timeout, backend, pg_options,
-                           group=parent) for first in range(0, parent.size(), size)]
+    settings = _subgroup_settings(parent, timeout, backend, pg_options)
+    first = parent._subgroups
+    count = parent.size() // size
+    subgroups = _make_subgroups(
+        parent, [list(range(k * size, (k + 1) * size)) for k in range(count)], settings,
+        f"subgroups of {size} ranks of a group of {parent.size()}",
+        f"new_subgroups (subgroups #{first + 1} to #{first + count}) of group "
+        f"{parent._prefix!r}")
     return subgroups[parent.rank() // size], subgroups
+
+
+def _subgroup_settings(parent: ProcessGroup, timeout: Optional[datetime.timedelta],
+                       backend: Optional[str], pg_options: Optional[RingOptions]
+                       ) -> Tuple[str, datetime.timedelta, RingOptions]:
+    """A subgroup's backend, timeout and options: the arguments, else the parent's."""
+    kind = parent.backend if backend is None else backend
+    if kind not in BACKENDS:
+        raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
+    limit = parent.timeout if timeout is None else timeout
+    _check_timeout(limit)
+    opts = RingOptions(pg_options if pg_options is not None else parent.options)
+    opts.timeout_ms = _milliseconds(limit)
+    opts.validate()
+    return kind, limit, opts
+
+
+def _make_subgroups(parent: ProcessGroup, member_lists: List[List[int]],
+                    settings: Tuple[str, datetime.timedelta, RingOptions], request: str,
+                    call: str) -> List[Union[ProcessGroup, NonMemberGroup]]:
+    """The subgroups of ``parent`` with these members, on the parent's next counts, made
+    once every rank of the parent has asked for the same (``request``)."""
+    kind, limit, opts = settings
+    first = parent._subgroups
+    parent._subgroups += len(member_lists)
+    # Every rank of the parent, member or not, says which groups it asked
+    # for before any is made: ranks that disagree (or one that skipped a
+    # new_group) would otherwise meet under the same prefix as groups of
+    # different members. One meeting serves all of new_subgroups' groups.
+    _C.agree_on_group(dist.PrefixStore(f"{parent._prefix}/sub{first}/agree", parent._store),
+                      parent.rank(), list(range(parent.size())), request, call, limit)
+    groups: List[Union[ProcessGroup, NonMemberGroup]] = []
+    for index, members in enumerate(member_lists, first):
+        if parent.rank() not in members:
+            groups.append(NonMemberGroup(parent.rank(), members))
+            continue
+        prefix = f"{parent._prefix}/sub{index}"
+        groups.append(ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
+                                   members.index(parent.rank()), len(members), limit, opts,
+                                   members))
+    return groups
 
 
 def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
