@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/bootstrap.h"
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
 #include "backend/registered_tensors.h"
@@ -422,6 +423,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("backend"),
       "(engine, refusals, layout): the engine of `backend` for `device`, why each candidate "
       "before it was passed over, and where the ranks run (CPU engines).");
+  m.def(
+      "agree_on_group",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::vector<int>& ranks,
+         const std::string& request, const std::string& call,
+         std::chrono::milliseconds timeout) {
+        interruptibly([&] {
+          bootstrap::agree(*store, rank, ranks, request, call, timeout);
+          return true;  // run() returns what its function does
+        });
+      },
+      py::arg("store"), py::arg("rank"), py::arg("ranks"), py::arg("request"), py::arg("call"),
+      py::arg("timeout"),
+      "Every rank of `ranks` publishes `request` and reads the others'; DistBackendError "
+      "naming each distinct request and its ranks unless all are equal, or naming a rank that "
+      "does not come within `timeout` or exits.");
 
 #ifdef PYDDP_WITH_TESTING
   testing::bindTesting(m);

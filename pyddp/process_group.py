@@ -49,6 +49,7 @@ HAS_CUDA: bool = _C.has_cuda
 # otherwise. (The candidates are a table in csrc/backend/engine_registry.cpp.)
 BACKENDS = tuple(_C.backend_names())
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_TAG_MIN, _TAG_MAX = -2**31, 2**31 - 1
 
 # Each group gets its own store prefix, so a process can create, destroy and
 # re-create groups on one store.
@@ -310,6 +311,22 @@ class ProcessGroup:
                              f"this group (world_size {self._world_size})")
         return rank
 
+    def _tag_arg(self, value: object, call: str) -> int:
+        """A point-to-point tag: a 32-bit int, as torch.distributed's (the collectives' own
+        messages carry tags below every such int, so no user message can take theirs)."""
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            tag = operator.index(value)
+        except TypeError:
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: tag must be an int, got "
+                            f"{value!r}") from None
+        if not _TAG_MIN <= tag <= _TAG_MAX:
+            raise ValueError(f"pyddp: rank {self._rank}: {call}: tag={tag} is not a 32-bit int "
+                             f"(tags range from {_TAG_MIN} to {_TAG_MAX}, as "
+                             "torch.distributed's)")
+        return tag
+
     def _tensor(self, t: object, call: str, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -475,14 +492,16 @@ class ProcessGroup:
         """
         t = self._tensor(tensor, "send", "tensor")
         peer = self._rank_arg(dst, "send", "dst")
-        return Work(self._engine(t, "send", "tensor").send(t, peer, operator.index(tag), True))
+        label = self._tag_arg(tag, "send")
+        return Work(self._engine(t, "send", "tensor").send(t, peer, label, True))
 
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Work:
         """Starts receiving into ``tensor`` from rank ``src`` (a message of the same size and
         dtype, with the same tag)."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
-        return Work(self._engine(t, "recv", "tensor").recv(t, peer, operator.index(tag), True))
+        label = self._tag_arg(tag, "recv")
+        return Work(self._engine(t, "recv", "tensor").recv(t, peer, label, True))
 
     def _src_arg(self, src: Optional[int]) -> int:
         if src is None:
@@ -494,13 +513,15 @@ class ProcessGroup:
         """Sends ``tensor`` to rank ``dst``; returns once ``dst`` received it."""
         t = self._tensor(tensor, "send", "tensor")
         peer = self._rank_arg(dst, "send", "dst")
-        self._engine(t, "send", "tensor").send(t, peer, operator.index(tag), False)
+        label = self._tag_arg(tag, "send")
+        self._engine(t, "send", "tensor").send(t, peer, label, False)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
         """Receives into ``tensor`` from rank ``src``; returns ``src``."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
-        self._engine(t, "recv", "tensor").recv(t, peer, operator.index(tag), False)
+        label = self._tag_arg(tag, "recv")
+        self._engine(t, "recv", "tensor").recv(t, peer, label, False)
         return peer
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
@@ -647,21 +668,11 @@ def new_group(
     if len(set(members)) != len(members) or not members:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_group: ranks must be distinct ranks "
                          f"of the group, got {ranks!r}")
+    settings = _subgroup_settings(parent, timeout, backend, pg_options)
     index = parent._subgroups
-    parent._subgroups += 1
-    if parent.rank() not in members:
-        return NonMemberGroup(parent.rank(), members)
-    kind = parent.backend if backend is None else backend
-    if kind not in BACKENDS:
-        raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
-    limit = parent.timeout if timeout is None else timeout
-    _check_timeout(limit)
-    opts = RingOptions(pg_options if pg_options is not None else parent.options)
-    opts.timeout_ms = _milliseconds(limit)
-    opts.validate()
-    prefix = f"{parent._prefix}/sub{index}"
-    return ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
-                        members.index(parent.rank()), len(members), limit, opts, members)
+    return _make_subgroups(parent, [members], settings,
+                           f"ranks {members} of a group of {parent.size()}",
+                           f"new_group #{index + 1} of group {parent._prefix!r}")[0]
 
 
 def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
@@ -676,9 +687,56 @@ def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
     if size <= 0 or parent.size() % size:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_subgroups: group_size {group_size} "
                          f"must divide the group's size {parent.size()}")
-    subgroups = [new_group(list(range(first, first + size)), timeout, backend, pg_options,
-                           group=parent) for first in range(0, parent.size(), size)]
+    settings = _subgroup_settings(parent, timeout, backend, pg_options)
+    first = parent._subgroups
+    count = parent.size() // size
+    subgroups = _make_subgroups(
+        parent, [list(range(k * size, (k + 1) * size)) for k in range(count)], settings,
+        f"subgroups of {size} ranks of a group of {parent.size()}",
+        f"new_subgroups (subgroups #{first + 1} to #{first + count}) of group "
+        f"{parent._prefix!r}")
     return subgroups[parent.rank() // size], subgroups
+
+
+def _subgroup_settings(parent: ProcessGroup, timeout: Optional[datetime.timedelta],
+                       backend: Optional[str], pg_options: Optional[RingOptions]
+                       ) -> Tuple[str, datetime.timedelta, RingOptions]:
+    """A subgroup's backend, timeout and options: the arguments, else the parent's."""
+    kind = parent.backend if backend is None else backend
+    if kind not in BACKENDS:
+        raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
+    limit = parent.timeout if timeout is None else timeout
+    _check_timeout(limit)
+    opts = RingOptions(pg_options if pg_options is not None else parent.options)
+    opts.timeout_ms = _milliseconds(limit)
+    opts.validate()
+    return kind, limit, opts
+
+
+def _make_subgroups(parent: ProcessGroup, member_lists: List[List[int]],
+                    settings: Tuple[str, datetime.timedelta, RingOptions], request: str,
+                    call: str) -> List[Union[ProcessGroup, NonMemberGroup]]:
+    """The subgroups of ``parent`` with these members, on the parent's next counts, made
+    once every rank of the parent has asked for the same (``request``)."""
+    kind, limit, opts = settings
+    first = parent._subgroups
+    parent._subgroups += len(member_lists)
+    # Every rank of the parent, member or not, says which groups it asked
+    # for before any is made: ranks that disagree (or one that skipped a
+    # new_group) would otherwise meet under the same prefix as groups of
+    # different members. One meeting serves all of new_subgroups' groups.
+    _C.agree_on_group(dist.PrefixStore(f"{parent._prefix}/sub{first}/agree", parent._store),
+                      parent.rank(), list(range(parent.size())), request, call, limit)
+    groups: List[Union[ProcessGroup, NonMemberGroup]] = []
+    for index, members in enumerate(member_lists, first):
+        if parent.rank() not in members:
+            groups.append(NonMemberGroup(parent.rank(), members))
+            continue
+        prefix = f"{parent._prefix}/sub{index}"
+        groups.append(ProcessGroup(kind, dist.PrefixStore(prefix, parent._store), prefix,
+                                   members.index(parent.rank()), len(members), limit, opts,
+                                   members))
+    return groups
 
 
 def destroy_process_group(group: Optional[ProcessGroup] = None) -> None:
@@ -849,13 +907,29 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
 TORCH_BACKEND_NAME = "pyddp"
 
 
-def _create_torch_backend(store: dist.Store, rank: int, world_size: int,
-                          timeout: datetime.timedelta) -> _C.Engine:
-    """The creator torch.distributed calls for ``init_process_group("pyddp")``.
+def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
+                          pg_options: object) -> _C.Engine:
+    """The creator torch.distributed calls for ``init_process_group("pyddp")`` and its
+    ``new_group`` calls (torch's extended creator API).
 
-    torch hands over its own (prefixed) store and the group's timeout; the
-    other settings come from the PYDDP_* variables, as for pyddp's own groups.
+    torch hands over its own (prefixed) store, the group's rank, size and timeout, and the
+    global ranks of a subgroup; the other settings come from the PYDDP_* variables, as for
+    pyddp's own groups.
     """
+    store, rank, world_size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout
+    members = list(options.global_ranks_in_group)
+    if members:
+        # A subgroup. torch names it by a count alone and calls no creator on
+        # its non-members, so its members agree on who they are (a member
+        # that asked for other members fails, naming every request it saw),
+        # and the member list is part of the store prefix: groups of other
+        # members made under the same name never meet.
+        world = dist.get_world_size()
+        _C.agree_on_group(dist.PrefixStore("agree", store), dist.get_rank(), members,
+                          f"ranks {members} of a world of {world}",
+                          "torch.distributed.new_group", timeout)
+        store = dist.PrefixStore("members=" + ",".join(map(str, members)), store)
     opts = RingOptions()
     opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     opts.validate()
@@ -878,4 +952,5 @@ def register_torch_backend() -> None:
     """
     if TORCH_BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, devices=["cpu"])
+    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, extended_api=True,
+                                  devices=["cpu"])

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from collective_cases import check_equal
 from harness import Died, RankContext, Ranks, pyddp_segments, raises
 
 ReduceOp = pyddp.ReduceOp
@@ -619,6 +620,109 @@ def test_a_rank_that_finished_and_exited_is_not_blamed():
                                         _receive_broadcast], allow_dead=True)
         assert isinstance(died, Died) and died.exitcode == 0
         assert ok1 and ok2
+    finally:
+        pool.close()
+
+
+def _subgroups_that_disagree(ctx: RankContext) -> list:
+    parent = _group(ctx, "parent")
+    r = ctx.rank
+    messages = []
+    # Rank 2 asks for another group than ranks 0 and 1 (as it does when it
+    # skipped their new_group([0, 1]) and calls the next one); then each
+    # rank asks for another pair.
+    for asked in ([[0, 1], [0, 1], [0, 1, 2]], [[0, 1], [1, 2], [0, 2]]):
+        messages.append(raises(dist.DistBackendError, "the ranks disagree on the group",
+                               pyddp.new_group, asked[r], group=parent))
+    # The parent and the groups its ranks agree on work as before.
+    sub = pyddp.new_group([0, 2], group=parent)
+    if r == 1:
+        assert isinstance(sub, pyddp.NonMemberGroup)
+    else:
+        t = torch.full((2,), float(r + 1))
+        sub.all_reduce(t)
+        check_equal(t, torch.full((2,), 4.0), "all_reduce in the subgroup agreed on")
+        sub.shutdown()
+    t = torch.full((3,), float(r))
+    parent.all_reduce(t)
+    check_equal(t, torch.full((3,), 3.0), "all_reduce in the parent")
+    # A rank that never calls new_group is named at the timeout.
+    if r < 2:
+        messages.append(raises(dist.DistBackendError, "did not call", pyddp.new_group, [0, 1],
+                               timeout=SHORT, group=parent))
+    return messages
+
+
+def test_ranks_that_disagree_on_a_subgroup_all_fail_naming_every_request(three):
+    results = three.run(_subgroups_that_disagree)
+    for r, messages in enumerate(results):
+        assert messages[0].startswith(f"pyddp: rank {r}: new_group #1 of group "), messages[0]
+        assert ("the ranks disagree on the group: ranks 0, 1 asked for ranks [0, 1] of a group "
+                "of 3; rank 2 asked for ranks [0, 1, 2] of a group of 3") in messages[0], messages
+        assert ("rank 0 asked for ranks [0, 1] of a group of 3; rank 1 asked for ranks [1, 2] of "
+                "a group of 3; rank 2 asked for ranks [0, 2] of a group of 3") in messages[1], \
+            messages
+        if r < 2:
+            assert ("rank 2 did not call new_group #4 of group " in messages[2] and
+                    f"within {int(SHORT.total_seconds() * 1000)} ms" in messages[2]), messages
+
+
+def _flag(ctx: RankContext, name: str) -> str:
+    return ctx.store_path(f"flag-{name}")
+
+
+def _wait_for_flag(ctx: RankContext, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(_flag(ctx, name)):
+        assert time.monotonic() < deadline, f"rank {ctx.rank}: no flag {name} within 60 s"
+        time.sleep(0.01)
+
+
+_CALLS = {
+    "barrier": lambda pg: pg.barrier(),
+    "all_reduce": lambda pg: pg.all_reduce(torch.ones(1000)),
+    "broadcast": lambda pg: pg.broadcast(torch.ones(1000), 0),
+}
+
+
+def _a_dead_rank_and_a_late_one(ctx: RankContext) -> dict:
+    groups = {call: _group(ctx, f"late-{call}") for call in _CALLS}
+    teardown = _group(ctx, "teardown")
+    if ctx.rank == 2:
+        os._exit(3)
+    seen = {}
+    for call, pg in groups.items():
+        if ctx.rank == 1:
+            # Rank 0 comes only once rank 1 gave up: rank 1 must not wait for it.
+            seen[call] = raises(dist.DistBackendError, ".", _CALLS[call], pg)
+            open(_flag(ctx, call), "w").close()
+        else:
+            _wait_for_flag(ctx, call)
+            seen[call] = raises(dist.DistBackendError, ".", _CALLS[call], pg)
+    # Rank 0 learns that rank 2 died (its send fails) and destroys its group
+    # while rank 1 waits for a message from it: rank 1 is told of rank 2.
+    if ctx.rank == 0:
+        teardown.send(torch.ones(2), 1, 7)
+        raises(dist.DistBackendError, "exited", teardown.send, torch.ones(2), 2, 7)
+        teardown.shutdown()
+    else:
+        teardown.recv(torch.zeros(2), 0, 7)
+        seen["teardown"] = raises(dist.DistBackendError, ".", teardown.recv, torch.zeros(2), 0, 7)
+    return seen
+
+
+def test_a_dead_rank_is_named_while_a_live_one_is_late_and_wins_over_teardowns():
+    pool = Ranks(3)
+    try:
+        seen0, seen1, died = pool.run_each([_a_dead_rank_and_a_late_one] * 3, allow_dead=True)
+        assert isinstance(died, Died) and died.exitcode == 3
+        dead = f"rank 2 (pid {pool.pid(2)}) exited"
+        for call in _CALLS:
+            assert f"{dead} before it arrived at {call} #1; rank 1 was waiting for rank 0" in \
+                seen1[call], seen1[call]
+            # Rank 0 came late and hears why rank 1 gave up, or sees rank 2 itself.
+            assert dead in seen0[call], seen0[call]
+        assert f"{dead}; then rank 0 destroyed its process group" in seen1["teardown"], seen1
     finally:
         pool.close()
 

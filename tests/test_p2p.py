@@ -267,6 +267,45 @@ def test_bad_point_to_point_arguments_are_refused(ranks):
     ranks.run(_refused)
 
 
+def _collective_tags_are_out_of_reach(ctx: RankContext) -> None:
+    # A fresh group: its first all_to_all is collective #1, whose messages
+    # carried the tag INT64_MIN + 1 that a user's isend could once give too.
+    pg = pyddp.create_group("shm", store=dist.FileStore(ctx.store_path("tags"), 2),
+                            rank=ctx.rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        peer, r = 1 - ctx.rank, ctx.rank
+        collective_tag = -2**63 + 1
+        for tag in (collective_tag, -2**31 - 1, 2**31, 2**63 - 1):
+            for call in ("send", "recv"):
+                op = getattr(pg, "i" + call)
+                with pytest.raises(ValueError, match=f"rank {r}: {call}: tag={tag} is not a "
+                                   "32-bit int"):
+                    op(torch.full((1,), 99.0), peer, tag)
+                # The engine refuses it too (torch.distributed's calls reach it directly).
+                engine = getattr(pg._cpu_engine, call)
+                with pytest.raises(ValueError, match=f"rank {r}: {call}: tag={tag} is not a "
+                                   "32-bit int"):
+                    engine(torch.full((1,), 99.0), peer, tag, True)
+        # The ends of the range are users' tags, and reach no collective.
+        extremes = [pg.isend(torch.full((1,), 10.0 * r + k), peer, tag)
+                    for k, tag in enumerate((-2**31, 2**31 - 1))]
+        out = torch.full((2,), -1.0)
+        pg.all_to_all_single(out, torch.tensor([2.0 * r, 2.0 * r + 1]))
+        check_equal(out, torch.tensor([float(r), 2.0 + r]), "all_to_all beside user messages")
+        for k, tag in enumerate((-2**31, 2**31 - 1)):
+            got = torch.zeros(1)
+            pg.recv(got, peer, tag)
+            check_equal(got, torch.full((1,), 10.0 * peer + k), f"the message of tag {tag}")
+        for work in extremes:
+            work.wait()
+    finally:
+        pg.shutdown()
+
+
+def test_collective_tags_are_out_of_reach_of_user_tags(two):
+    two.run(_collective_tags_are_out_of_reach)
+
+
 # --- all-to-all ----------------------------------------------------------------
 
 

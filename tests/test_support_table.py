@@ -136,6 +136,32 @@ def _point_to_point(r, n):
         check_equal(t, torch.full((2,), 1.0 if r == 0 else 0.0), "send and recv")
         work = dist.isend(t, 1 - r, tag=5) if r == 0 else dist.irecv(t, 0, tag=5)
         work.wait()
+        # Tags span torch's 32-bit range; torch refuses wider ones.
+        for tag in (-2**31, 2**31 - 1):
+            t = torch.full((2,), float(r))
+            work = dist.isend(t, 1, tag=tag) if r == 0 else dist.irecv(t, 0, tag=tag)
+            work.wait()
+            check_equal(t, torch.zeros(2), f"a message of tag {tag}")
+
+
+def _new_group(r, n):
+    group = dist.new_group(list(range(1, n)))
+    if r > 0:
+        t = torch.full((2,), float(r))
+        dist.all_reduce(t, group=group)
+        check_equal(t, torch.full((2,), float(sum(range(1, n)))), "all_reduce in a subgroup")
+        dist.destroy_process_group(group)
+    # Rank n-1 asks for every rank, the others for all but it: rank n-1 fails
+    # (torch calls no backend on a group's non-members), the others agree.
+    if r == n - 1:
+        with pytest.raises(dist.DistBackendError, match="the ranks disagree on the group"):
+            dist.new_group(list(range(n)))
+    else:
+        group = dist.new_group(list(range(n - 1)))
+        t = torch.full((2,), float(r))
+        dist.all_reduce(t, group=group)
+        check_equal(t, torch.full((2,), float(sum(range(n - 1)))), "all_reduce in a subgroup")
+        dist.destroy_process_group(group)
 
 
 def _coalesced(r, n):
@@ -207,6 +233,7 @@ CHECKS = {
     "`all_to_all`": _all_to_all,
     "`send`, `recv`, `isend`, `irecv`, `batch_isend_irecv`": _point_to_point,
     "`recv` without `src`": _recv_anysource,
+    "`new_group`": _new_group,
     "coalesced (`allreduce_coalesced`, `allgather_into_tensor_coalesced`, "
     "`reduce_scatter_tensor_coalesced`)": _coalesced,
     "`barrier`": _barrier,

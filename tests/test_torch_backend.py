@@ -243,3 +243,46 @@ def _per_call_timeout(ctx: RankContext) -> str:
 def test_the_per_call_timeout_bounds_the_call(ranks):
     message = ranks.run(_per_call_timeout)[0]
     assert "did not arrive at all_reduce #1 within the timeout of 700 ms" in message, message
+
+
+def _requests(n: int) -> dict:
+    """The ranks each rank asks for, by case: rank n-1 asks for more than the others; each
+    rank asks for itself and the next (cyclic); rank 0 alone and the others together."""
+    return {
+        "one asks for more": [list(range(n - 1))] * (n - 1) + [list(range(n))],
+        "cyclic": [sorted({r, (r + 1) % n}) for r in range(n)],
+        "two groups under one name": [[0]] + [list(range(1, n))] * (n - 1),
+    }
+
+
+def _torch_subgroups(ctx: RankContext, case: str) -> tuple:
+    asked = _requests(ctx.world_size)[case][ctx.rank]
+    try:
+        group = dist.new_group(asked, backend="pyddp", timeout=datetime.timedelta(seconds=60))
+    except dist.DistBackendError as error:
+        return "failed", str(error)
+    try:
+        t = torch.full((2,), float(ctx.rank + 1))
+        dist.all_reduce(t, group=group)
+        return "ok", t.tolist()
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_subgroups_whose_members_disagree_fail_and_never_meet(ranks):
+    n = ranks.world_size
+    for case, requests in _requests(n).items():
+        results = ranks.run(_torch_subgroups, case)
+        for r, (outcome, value) in enumerate(results):
+            # torch calls the backend on a group's members alone: a rank fails when one of
+            # the members it asked for asked for other members.
+            disagree = [m for m in requests[r] if requests[m] != requests[r]]
+            if disagree:
+                assert outcome == "failed", (case, r, value)
+                assert (f"rank {r}: torch.distributed.new_group: the ranks disagree on the "
+                        "group: ") in value, (case, value)
+                for m in disagree + [r]:
+                    assert f"asked for ranks {requests[m]} of a world of {n}" in value, value
+            else:
+                expected = float(sum(m + 1 for m in requests[r]))
+                assert (outcome, value) == ("ok", [expected, expected]), (case, r)

@@ -1,6 +1,7 @@
 #include "backend/arg_checks.h"
 
 #include <cstddef>
+#include <limits>
 
 #include <ATen/MemoryOverlap.h>
 
@@ -84,6 +85,14 @@ void ArgChecks::peer(int peer, const char* call, const char* what) const {
   PYDDP_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "rank ", rank_, ": ", call, ": ",
                     what, "=", peer, " must be another rank of this group (world_size ", size_,
                     ")");
+}
+
+void ArgChecks::tag(int64_t tag, const char* call) const {
+  PYDDP_CHECK_VALUE(tag >= std::numeric_limits<int32_t>::min() &&
+                        tag <= std::numeric_limits<int32_t>::max(),
+                    "rank ", rank_, ": ", call, ": tag=", tag, " is not a 32-bit int (tags range "
+                    "from ", std::numeric_limits<int32_t>::min(), " to ",
+                    std::numeric_limits<int32_t>::max(), ", as torch.distributed's)");
 }
 
 void ArgChecks::blockList(const std::vector<at::Tensor>& list, const at::Tensor& input,

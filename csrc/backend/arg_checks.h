@@ -31,6 +31,9 @@ class ArgChecks {
   void root(int root, const char* call, const char* what) const;
   // Another rank of the group, for point-to-point.
   void peer(int peer, const char* call, const char* what) const;
+  // A point-to-point tag: a C int, as torch.distributed's (the tags of the
+  // collectives' own messages lie below every int, so none can be taken).
+  void tag(int64_t tag, const char* call) const;
   // A world-sized list of writable tensors each shaped as `input` (in
   // elements and dtype): all_gather's tensor_list, gather's gather_list.
   void blockList(const std::vector<at::Tensor>& list, const at::Tensor& input, const char* call,

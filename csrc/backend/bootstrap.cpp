@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <exception>
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "common/blob.h"
 #include "common/check.h"
@@ -47,22 +49,27 @@ std::string rankList(const std::vector<int>& ranks) {
 // One bootstrap's meeting through the store: all-gathers one value per rank
 // under a key, watching the processes of the ranks it has heard from (their
 // hello), so that a rank that dies is named at once instead of at the
-// timeout.
+// timeout. The ranks that meet are `ranks` (this one is `rank`, one of
+// them), and key/<r> is rank r's value.
 class Meeting {
  public:
-  Meeting(c10d::Store& store, int rank, int size, Ms timeout)
-      : store_(store), rank_(rank), size_(size), timeout_(timeout), peers_(size) {}
+  Meeting(c10d::Store& store, int rank, std::vector<int> ranks, Ms timeout)
+      : store_(store), rank_(rank), ranks_(std::move(ranks)), timeout_(timeout),
+        peers_(ranks_.size()) {}
 
-  // Every rank's value of key/<rank>. `missing` completes "rank 2 did not
-  // ..." in errors. Throws DistBackendError when a rank does not publish
-  // within the timeout, a rank it heard from exits, or the caller is
-  // interrupted.
+  // Every rank's value of key/<rank>, in the order of `ranks`. `missing`
+  // completes "rank 2 did not ..." in errors. Throws DistBackendError when a
+  // rank does not publish within the timeout, a rank it heard from exits, or
+  // the caller is interrupted.
   std::vector<std::string> allGather(const std::string& key, const std::string& mine,
                                      const std::string& missing);
 
   // Phase 0: who every rank is (its pid, for liveness) and what its
-  // transport will create (`reservation`), before anything exists.
-  void hello(const std::string& reservation);
+  // transport will create (`reservation`), before anything exists; `extra`
+  // fields ride along. Returns every rank's hello.
+  std::vector<std::string> hello(const std::string& reservation, const std::string& missing,
+                                 const std::vector<std::pair<std::string, std::string>>& extra =
+                                     {});
   // Lets every peer's reservation go (transport.reclaim()): all, or those
   // of peers whose process has exited.
   void reclaim(Transport& transport, bool deadOnly) const;
@@ -82,24 +89,30 @@ class Meeting {
   std::string keyOf(const std::string& key, int rank) const {
     return key + "/" + std::to_string(rank);
   }
-  // The first rank heard from whose process has exited; -1 while none.
+  // The first rank heard from whose process has exited (its index in
+  // ranks_); -1 while none.
   int deadPeer() const;
   // Reads every key/<peer> that is there into `values`; returns how many are missing.
-  int readPresent(const std::string& key, std::vector<std::optional<std::string>>& values);
+  int readPresent(const std::string& key, std::vector<std::optional<std::string>>& values,
+                  bool hellos);
+  std::vector<std::string> gather(const std::string& key, const std::string& mine,
+                                  const std::string& missing, bool hellos);
   // A store call failed: a dead peer explains it better than the store's error.
   [[noreturn]] void storeFailed(const std::exception& e, const std::string& key);
-  void learn(int peer, const std::string& hello);
+  void learn(size_t peer, const std::string& hello);
 
   c10d::Store& store_;
   const int rank_;
-  const int size_;
+  const std::vector<int> ranks_;
   const Ms timeout_;
   std::vector<Peer> peers_;
 };
 
 int Meeting::deadPeer() const {
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_ && peers_[peer].watched && !processAlive(peers_[peer].pid)) return peer;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    if (ranks_[i] != rank_ && peers_[i].watched && !processAlive(peers_[i].pid)) {
+      return static_cast<int>(i);
+    }
   }
   return -1;
 }
@@ -111,7 +124,7 @@ void Meeting::storeFailed(const std::exception& e, const std::string& key) {
     std::this_thread::sleep_for(kMaxPause);
     dead = deadPeer();
   }
-  PYDDP_CHECK_COMM(dead < 0, "rank ", dead, " (pid ", peers_[dead].pid,
+  PYDDP_CHECK_COMM(dead < 0, "rank ", ranks_[dead], " (pid ", peers_[dead].pid,
                    ") exited before the process group was connected, and the store failed "
                    "with it (rank ", rank_, " was reading '", key, "'): ", messageOf(e));
   PYDDP_CHECK_COMM(false, "rank ", rank_, ": the store failed while connecting the process "
@@ -119,28 +132,33 @@ void Meeting::storeFailed(const std::exception& e, const std::string& key) {
 }
 
 int Meeting::readPresent(const std::string& key,
-                         std::vector<std::optional<std::string>>& values) {
+                         std::vector<std::optional<std::string>>& values, bool hellos) {
   int missing = 0;
-  for (int peer = 0; peer < size_; ++peer) {
-    if (values[peer]) continue;
-    const std::string k = keyOf(key, peer);
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    if (values[i]) continue;
+    const std::string k = keyOf(key, ranks_[i]);
     try {
       if (!store_.check({k})) {
         ++missing;
         continue;
       }
       const std::vector<uint8_t> v = store_.get(k);
-      values[peer].emplace(v.begin(), v.end());
+      values[i].emplace(v.begin(), v.end());
     } catch (const std::exception& e) {
       storeFailed(e, k);
     }
-    if (key == "hello") learn(peer, *values[peer]);
+    if (hellos) learn(i, *values[i]);
   }
   return missing;
 }
 
 std::vector<std::string> Meeting::allGather(const std::string& key, const std::string& mine,
                                             const std::string& missing) {
+  return gather(key, mine, missing, /*hellos=*/false);
+}
+
+std::vector<std::string> Meeting::gather(const std::string& key, const std::string& mine,
+                                         const std::string& missing, bool hellos) {
   try {
     store_.set(keyOf(key, rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
   } catch (const std::exception& e) {
@@ -150,18 +168,18 @@ std::vector<std::string> Meeting::allGather(const std::string& key, const std::s
   const auto deadline = start + timeout_;
   auto nextLook = start + kLivenessPeriod;
   auto pause = std::chrono::duration_cast<Clock::duration>(kFirstPause);
-  std::vector<std::optional<std::string>> values(size_);
-  while (readPresent(key, values) > 0) {
+  std::vector<std::optional<std::string>> values(ranks_.size());
+  while (readPresent(key, values, hellos) > 0) {
     std::vector<int> absent;
-    for (int peer = 0; peer < size_; ++peer) {
-      if (!values[peer]) absent.push_back(peer);
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      if (!values[i]) absent.push_back(ranks_[i]);
     }
     PYDDP_CHECK_COMM(!interruptRequested(), "rank ", rank_, ": interrupted while waiting for ",
                      rankList(absent), " to ", missing);
     const auto now = Clock::now();
     if (now >= nextLook) {
       const int dead = deadPeer();
-      PYDDP_CHECK_COMM(dead < 0, "rank ", dead, " (pid ", peers_[dead].pid,
+      PYDDP_CHECK_COMM(dead < 0, "rank ", ranks_[dead], " (pid ", peers_[dead].pid,
                        ") exited before the process group was connected (rank ", rank_,
                        " was waiting for ", rankList(absent), " to ", missing, ")");
       nextLook = now + kLivenessPeriod;
@@ -172,35 +190,37 @@ std::vector<std::string> Meeting::allGather(const std::string& key, const std::s
     std::this_thread::sleep_for(pause);
     pause = std::min<Clock::duration>(2 * pause, kMaxPause);
   }
-  std::vector<std::string> all(size_);
-  for (int peer = 0; peer < size_; ++peer) all[peer] = std::move(*values[peer]);
+  std::vector<std::string> all(ranks_.size());
+  for (size_t i = 0; i < ranks_.size(); ++i) all[i] = std::move(*values[i]);
   return all;
 }
 
-void Meeting::learn(int peer, const std::string& hello) {
-  const BlobReader r(hello, "rank " + std::to_string(peer) + "'s hello");
+void Meeting::learn(size_t peer, const std::string& hello) {
+  const BlobReader r(hello, "rank " + std::to_string(ranks_[peer]) + "'s hello");
   Peer& p = peers_[peer];
   p.joined = true;
   p.pid = r.get<int>("pid");
-  p.watched = peer != rank_ && r.str("host") == hostId() &&
+  p.watched = ranks_[peer] != rank_ && r.str("host") == hostId() &&
               r.str("pid_namespace") == pidNamespace();
   p.reservation = r.bytes("reservation");
 }
 
-void Meeting::hello(const std::string& reservation) {
-  const std::string mine = BlobWriter()
-                               .put("host", hostId())
-                               .put("pid_namespace", pidNamespace())
-                               .put("pid", static_cast<int>(getpid()))
-                               .putBytes("reservation", reservation)
-                               .str();
-  allGather("hello", mine, "join the process group");
+std::vector<std::string> Meeting::hello(
+    const std::string& reservation, const std::string& missing,
+    const std::vector<std::pair<std::string, std::string>>& extra) {
+  BlobWriter w;
+  w.put("host", hostId())
+      .put("pid_namespace", pidNamespace())
+      .put("pid", static_cast<int>(getpid()))
+      .putBytes("reservation", reservation);
+  for (const auto& [name, value] : extra) w.putBytes(name, value);
+  return gather("hello", w.str(), missing, /*hellos=*/true);
 }
 
 void Meeting::reclaim(Transport& transport, bool deadOnly) const {
-  for (int peer = 0; peer < size_; ++peer) {
-    const Peer& p = peers_[peer];
-    if (peer == rank_ || !p.joined || p.reservation.empty()) continue;
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const Peer& p = peers_[i];
+    if (ranks_[i] == rank_ || !p.joined || p.reservation.empty()) continue;
     if (!deadOnly || (p.watched && !processAlive(p.pid))) transport.reclaim(p.reservation);
   }
 }
@@ -210,12 +230,12 @@ void Meeting::finish() noexcept {
     store_.set(keyOf("done", rank_), std::vector<uint8_t>());
     const auto deadline = Clock::now() + timeout_;
     auto pause = std::chrono::duration_cast<Clock::duration>(kFirstPause);
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_ || !peers_[peer].joined) continue;
-      const std::string k = keyOf("done", peer);
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      if (ranks_[i] == rank_ || !peers_[i].joined) continue;
+      const std::string k = keyOf("done", ranks_[i]);
       while (!store_.check({k})) {
         if (interruptRequested() || Clock::now() >= deadline) return;
-        if (peers_[peer].watched && !processAlive(peers_[peer].pid)) break;
+        if (peers_[i].watched && !processAlive(peers_[i].pid)) break;
         std::this_thread::sleep_for(pause);
         pause = std::min<Clock::duration>(2 * pause, kMaxPause);
       }
@@ -226,19 +246,26 @@ void Meeting::finish() noexcept {
   }
 }
 
+std::vector<int> firstRanks(int size) {
+  std::vector<int> ranks(size);
+  for (int r = 0; r < size; ++r) ranks[r] = r;
+  return ranks;
+}
+
 } // namespace
 
 std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
                                    const std::string& mine, int rank, int size, Ms timeout) {
   // Every caller runs it while the group is being made (the host map, NCCL's
   // id): a rank that never publishes has not joined.
-  return Meeting(store, rank, size, timeout).allGather(key, mine, "join the process group");
+  return Meeting(store, rank, firstRanks(size), timeout)
+      .allGather(key, mine, "join the process group");
 }
 
 void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms timeout) {
-  Meeting meeting(store, rank, size, timeout);
+  Meeting meeting(store, rank, firstRanks(size), timeout);
   try {
-    meeting.hello(transport.reserve());
+    meeting.hello(transport.reserve(), "join the process group");
     // phase 1: publish what peers need to reach us (or why we cannot be
     // reached), learn theirs
     std::string blob, why;
@@ -290,14 +317,62 @@ void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms ti
   meeting.finish();
 }
 
+void agree(c10d::Store& store, int rank, const std::vector<int>& ranks,
+           const std::string& request, const std::string& call, Ms timeout) {
+  Meeting meeting(store, rank, ranks, timeout);
+  std::vector<std::string> hellos;
+  try {
+    hellos = meeting.hello("", "call " + call, {{"request", request}});
+  } catch (const std::exception&) {
+    meeting.finish();
+    throw;
+  }
+  meeting.finish();
+  // Each distinct request with the ranks that made it, in rank order.
+  std::vector<std::pair<std::string, std::vector<int>>> asked;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const std::string theirs =
+        BlobReader(hellos[i], "rank " + std::to_string(ranks[i]) + "'s hello").bytes("request");
+    auto it = std::find_if(asked.begin(), asked.end(),
+                           [&](const auto& a) { return a.first == theirs; });
+    if (it == asked.end()) {
+      asked.emplace_back(theirs, std::vector<int>());
+      it = asked.end() - 1;
+    }
+    it->second.push_back(ranks[i]);
+  }
+  if (asked.size() == 1) return;
+  std::ostringstream out;
+  for (size_t i = 0; i < asked.size(); ++i) {
+    out << (i ? "; " : "") << rankList(asked[i].second) << " asked for " << asked[i].first;
+  }
+  PYDDP_CHECK_COMM(false, "rank ", rank, ": ", call, ": the ranks disagree on the group: ",
+                   out.str(), " (every rank must make the same groups, in the same order)");
+}
+
+template <typename F>
+auto StoreDirectory::ask(const std::string& key, F&& f) {
+  PYDDP_CHECK_COMM(!failed_.load(std::memory_order_relaxed), "the store's connection failed "
+                   "earlier; not asking it for '", key, "'");
+  try {
+    return f();
+  } catch (const c10::DistNetworkError&) {
+    // The connection failed: the store is gone (a refused key is not).
+    failed_.store(true, std::memory_order_relaxed);
+    throw;
+  }
+}
+
 void StoreDirectory::publish(const std::string& key, const std::string& value) {
-  store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  ask(key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
 }
 
 std::optional<std::string> StoreDirectory::lookup(const std::string& key) {
-  if (!store_->check({key})) return std::nullopt;
-  const std::vector<uint8_t> v = store_->get(key);
-  return std::string(v.begin(), v.end());
+  return ask(key, [&]() -> std::optional<std::string> {
+    if (!store_->check({key})) return std::nullopt;
+    const std::vector<uint8_t> v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  });
 }
 
 } // namespace bootstrap

@@ -30,6 +30,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -46,6 +47,18 @@ std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
                                    const std::string& mine, int rank, int size,
                                    std::chrono::milliseconds timeout);
 
+// Agrees on a group before it is made (new_group): each rank of `ranks`
+// (numbered in a group they all belong to; `rank` is this one) publishes
+// `request`, what it asked for (the members and the size of the group they
+// come from), under hello/<rank> with its pid, and reads every other's,
+// watching their processes as bootstrap does. Throws DistBackendError
+// naming each distinct request and the ranks that made it unless all are
+// equal, when a rank does not come within `timeout` (naming it and `call`),
+// or when one it heard from exits. Keys under done/ as bootstrap's.
+void agree(c10d::Store& store, int rank, const std::vector<int>& ranks,
+           const std::string& request, const std::string& call,
+           std::chrono::milliseconds timeout);
+
 // Sets up and connects `transport` on every rank (the sequence above).
 void connect(Transport& transport, c10d::Store& store, int rank, int size,
              std::chrono::milliseconds timeout);
@@ -59,7 +72,15 @@ class StoreDirectory final : public Directory {
   std::optional<std::string> lookup(const std::string& key) override;
 
  private:
+  // `f` on the store, unless its connection failed before: then it throws
+  // at once. A store's connection fails for good when the rank that hosts
+  // it exits, and torch logs every failed call with a stack trace; a
+  // teardown that reclaims what dead peers left asks once per pair of ranks.
+  template <typename F>
+  auto ask(const std::string& key, F&& f);
+
   const c10::intrusive_ptr<c10d::Store> store_;
+  std::atomic<bool> failed_{false};
 };
 
 } // namespace bootstrap

@@ -634,6 +634,7 @@ WorkPtr HierarchicalEngine::sendTo(const at::Tensor& tensor, int dst, int64_t ta
                                    const CallOptions& call) {
   checks_.tensor(tensor, "send", "tensor");
   checks_.peer(dst, "send", "dst");
+  checks_.tag(tag, "send");
   std::vector<at::Tensor> v{tensor.contiguous()};
   auto work = flat_->send(v, dst, static_cast<int>(tag));
   if (!call.asyncOp) work->wait();
@@ -645,6 +646,7 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
   checks_.peer(src, "recv", "src");
+  checks_.tag(tag, "recv");
   PYDDP_CHECK_VALUE(tensor.is_contiguous(), "rank ", rank_, ": recv: across hosts the tensor "
                     "must be contiguous");
   std::vector<at::Tensor> v{tensor};

@@ -466,10 +466,11 @@ WorkPtr NcclEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& output
 // NCCL matches a pair's sends and receives by the order they were posted:
 // the tag is not sent, so messages between two ranks must be posted in the
 // same order on both (as with torch's NCCL backend).
-WorkPtr NcclEngine::sendTo(const at::Tensor& tensor, int dst, int64_t,
+WorkPtr NcclEngine::sendTo(const at::Tensor& tensor, int dst, int64_t tag,
                            const CallOptions& call) {
   const DataType dtype = checks_.tensor(tensor, "send", "tensor");
   checks_.peer(dst, "send", "dst");
+  checks_.tag(tag, "send");
   return launch(CollectiveKind::Send, {tensor}, {}, call,
                 [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);
@@ -481,11 +482,12 @@ WorkPtr NcclEngine::sendTo(const at::Tensor& tensor, int dst, int64_t,
                 });
 }
 
-WorkPtr NcclEngine::recvFrom(const at::Tensor& tensor, int src, int64_t,
+WorkPtr NcclEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
                              const CallOptions& call) {
   const DataType dtype = checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
   checks_.peer(src, "recv", "src");
+  checks_.tag(tag, "recv");
   return launch(CollectiveKind::Recv, {}, {tensor}, call,
                 [&](cudaStream_t stream, Clock::time_point deadline) {
                   const at::Tensor buf = dense(tensor);

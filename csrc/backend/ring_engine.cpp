@@ -124,7 +124,7 @@ RingEngine::~RingEngine() {
 }
 
 void RingEngine::shutdown() {
-  if (p2p_) p2p_->shutdown(c10::str("rank ", rank_, ": the process group was destroyed"));
+  if (p2p_) p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : ""));
 #ifdef PYDDP_WITH_CUDA
   if (deviceExec_ && transport_ && transport_->peerMemory()) {
     // Peers read this rank's device memory: collectives already queued
@@ -656,6 +656,7 @@ WorkPtr RingEngine::sendTo(const at::Tensor& tensor, int dst, int64_t tag,
   messages("send");
   checks_.tensor(tensor, "send", "tensor");
   checks_.peer(dst, "send", "dst");
+  checks_.tag(tag, "send");
   auto work = p2p_->send(tensor.contiguous(), dst, tag, timeoutOf(call));
   if (!call.asyncOp) work->wait();
   return work;
@@ -667,6 +668,7 @@ WorkPtr RingEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
   checks_.peer(src, "recv", "src");
+  checks_.tag(tag, "recv");
   const at::Tensor buf = dense(tensor);
   auto work = p2p_->recv(tensor, buf, src, tag, timeoutOf(call),
                          [=] { copyBack(tensor, buf); });

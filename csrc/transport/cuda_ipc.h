@@ -98,6 +98,7 @@ class CudaIpcTransport final : public Transport,
   // deviceError, or a peer whose process exited: what the engine's
   // monitor polls while collectives are pending.
   std::string asyncError() const override;
+  std::string deadPeer() const override { return control_->deadPeer(); }
 
  private:
   char* slots(int rank) const { return bases_[rank] + sizeof(IpcHeader); }

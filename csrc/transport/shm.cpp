@@ -349,6 +349,17 @@ void ShmTransport::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
   failIfGaveUp(peer, std::numeric_limits<uint64_t>::max());
   PYDDP_CHECK_COMM(peerWasAlive, "rank ", peer, " (pid ", segments_[peer].pid,
                    ") exited; rank ", rank_, " was waiting for it in ", call);
+  // The peer waited for may only be late; a rank that exited before it
+  // arrived at this collective will never arrive, so it is named now rather
+  // than when the late one comes. Its process is looked at before its
+  // arrival, as above: a rank that arrived and then exited may have done
+  // its part.
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k == rank_ || k == peer || peerAlive(k)) continue;
+    PYDDP_CHECK_COMM(header(k).arrived.value.load(std::memory_order_acquire) >= current_.seq,
+                     "rank ", k, " (pid ", segments_[k].pid, ") exited before it arrived at ",
+                     call, "; rank ", rank_, " was waiting for rank ", peer);
+  }
   if (now < deadline_) return;
   std::vector<int> missing;
   for (int k = 0; k < worldSize_; ++k) {
@@ -401,7 +412,8 @@ void ShmTransport::abandon(const std::string& why) {
 }
 
 void ShmTransport::leave(const std::string& why) {
-  giveUp(why, /*onNext=*/true);
+  const std::string dead = deadPeer();
+  giveUp(dead.empty() ? why : dead + "; then " + why, /*onNext=*/true);
 }
 
 void ShmTransport::giveUp(const std::string& why, bool onNext) {
@@ -422,8 +434,7 @@ void ShmTransport::abort() {
   const bool gaveUp = own && own->failed.value.load(std::memory_order_acquire) != 0;
   messages_->abort(gaveUp ? std::string(own->failureText,
                                         strnlen(own->failureText, kFailureTextBytes))
-                          : "rank " + std::to_string(rank_) +
-                                ": the process group was destroyed");
+                          : teardownReason(rank_, deadPeer()));
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {

@@ -183,9 +183,8 @@ class ShmTransport final : public Transport,
   // Also fails the pending point-to-point operations (messages()), with
   // the reason this rank gave up if it did.
   void abort() override;
-  // "" while every peer's process lives (or cannot be seen from here), else
-  // which rank exited: for transports that wait elsewhere (on a GPU).
-  std::string deadPeer() const;
+  // Also for transports that wait elsewhere (on a GPU).
+  std::string deadPeer() const override;
   // Point-to-point channels between pairs of ranks (shm_channel.h).
   MessageLink* messages(std::shared_ptr<Directory> directory) override;
 
@@ -249,8 +248,9 @@ class ShmTransport final : public Transport,
   void waitFor(int peer, Clock::duration spinPhase, Ready&& ready);
   // Throws if waiting on `peer` cannot end: the group is being destroyed,
   // the peer gave up or died (peerWasAlive is false: it was gone before its
-  // flag was found unset), or the deadline passed. The message names the
-  // ranks to blame.
+  // flag was found unset), another rank died before it arrived at the
+  // collective, or the deadline passed. The message names the ranks to
+  // blame.
   void failIfStuck(int peer, bool peerWasAlive, Clock::time_point now) const;
   // Fails with the peer's reason if it gave up on a collective up to #upTo.
   void failIfGaveUp(int peer, uint64_t upTo) const;

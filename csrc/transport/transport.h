@@ -167,6 +167,15 @@ class MessageLink {
   virtual void cancel(uint64_t id, const std::string& why) = 0;
 };
 
+// What a rank tells its peers when it tears its group down: the first cause
+// it knows of, a peer that exited (`dead`, from deadPeer()), then the
+// teardown itself, which would otherwise be all its peers hear of (they
+// hear of the teardown before they look at the dead rank themselves).
+inline std::string teardownReason(int rank, const std::string& dead) {
+  const std::string destroyed = "rank " + std::to_string(rank) + " destroyed its process group";
+  return dead.empty() ? destroyed : dead + "; then " + destroyed;
+}
+
 // A transport connects this rank to all others in two phases: setup()
 // returns a small blob that the engine all-gathers through the store,
 // connect() maps or opens what the blobs name, and connected() (after every
@@ -216,6 +225,10 @@ class Transport {
   // Makes every current and later wait of this rank fail (group teardown).
   // Safe to call from any thread.
   virtual void abort() = 0;
+  // "" while every peer's process lives (or cannot be seen from here), else
+  // which rank exited, as "rank 2 (pid 4242) exited": the cause a teardown
+  // names first (teardownReason). Safe to call from any thread.
+  virtual std::string deadPeer() const { return ""; }
 
   // For transports whose waits run on a device, where the host does not
   // see them fail: a wait that gave up or a peer that exited, as a message;
