@@ -306,6 +306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("two_shot_max_bytes", &RingOptions::twoShotMaxBytes)
       .def_readwrite("algo", &RingOptions::algo)
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
+      .def_readwrite("p2p_buffer_bytes", &RingOptions::p2pBufferBytes)
       .def("validate", &RingOptions::validate);
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");

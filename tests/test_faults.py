@@ -126,42 +126,69 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def _channel_survivor(ctx: RankContext, path: str, victim_pid: int) -> bool:
-    store = dist.FileStore(path, ctx.world_size)
+def _channel_survivor(ctx: RankContext, port: int, victim_pid: int) -> tuple:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=MINUTE)
     pg = _group(ctx, store, name="channel")
-    store.wait(["victim's channel"], datetime.timedelta(seconds=30))
-    segment = store.get("victim's channel").decode()
+    note = ctx.store_path("victim's channel")
     deadline = time.monotonic() + 30
-    while not _dead(victim_pid):
-        assert time.monotonic() < deadline, "rank 1 did not die"
+    while not os.path.exists(note) or not _dead(victim_pid):
+        assert time.monotonic() < deadline, "rank 1 did not make its channel and die"
         time.sleep(0.01)
+    with open(note) as f:
+        segment = f.read()
     left = _exists(segment)  # rank 1 made it and died before rank 0 mapped it
+    # The store went with rank 1, and the group is still referenced: its
+    # shutdown alone removes the channel.
     pg.shutdown()
-    del ctx.groups["channel"], pg  # the engines go, and with them the channels
-    gc.collect()
     return left, _exists(segment)
 
 
-def _channel_victim(ctx: RankContext, path: str, victim_pid: int) -> None:
-    store = Recording(dist.FileStore(path, ctx.world_size))
+def _channel_victim(ctx: RankContext, port: int, victim_pid: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=MINUTE)
     pg = _group(ctx, store, name="channel")
+    before = set(pyddp_segments())
     pg.isend(torch.ones(1000), 0)  # makes the channel to rank 0, which never receives
-    reserved = [v for k, v in store.values.items() if k.endswith("/p2p-reserved/1-0")]
-    assert len(reserved) == 1 and _exists(reserved[0].decode()), store.values.keys()
-    store.set("victim's channel", reserved[0])
+    made = sorted(set(pyddp_segments()) - before)
+    assert len(made) == 1, made
+    note = ctx.store_path("victim's channel")
+    with open(note + ".tmp", "w") as f:
+        f.write("/" + made[0])
+    os.rename(note + ".tmp", note)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_channel_whose_sender_died_is_reclaimed_by_its_receiver():
+def test_a_channel_whose_sender_died_with_the_store_is_reclaimed_by_its_receiver():
     pool = Ranks(2)
     try:
-        path = os.path.join(pool.tmpdir, "store")
-        reclaimed, died = pool.run_each([_channel_survivor, _channel_victim], path, pool.pid(1),
-                                        allow_dead=True, timeout=60)
+        reclaimed, died = pool.run_each([_channel_survivor, _channel_victim], _free_port(),
+                                        pool.pid(1), allow_dead=True, timeout=60)
     finally:
         pool.close()
     assert isinstance(died, Died) and died.exitcode == -signal.SIGKILL, died
     assert reclaimed == (True, False), reclaimed
+
+
+def _destroyed_with_a_pending_send(ctx: RankContext) -> tuple:
+    pg = _group(ctx, dist.FileStore(ctx.store_path("pending"), 2), name="pending")
+    if ctx.rank == 1:
+        pg.barrier()
+        pg.shutdown()
+        return ()
+    before = set(pyddp_segments())
+    work = pg.isend(torch.ones(1000), 1)  # rank 1 never receives it
+    made = sorted(set(pyddp_segments()) - before)
+    pg.barrier()
+    pg.shutdown()  # pg and its pending send are still referenced
+    message = raises(dist.DistBackendError, "the process group was destroyed", work.wait)
+    left = [name for name in made if name in pyddp_segments()]
+    return made, left, message
+
+
+def test_a_group_destroyed_with_a_pending_send_removes_its_channel_at_once(two):
+    made, left, message = two.run(_destroyed_with_a_pending_send)[0]
+    assert len(made) == 1 and left == [], (made, left)
+    assert "the process group was destroyed" in message, message
 
 
 def test_ranks_that_never_reach_the_store_are_named():

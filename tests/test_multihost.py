@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import threading
 import time
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import pyddp
 import test_collectives as one_host
 import test_p2p as p2p
+from collective_cases import check_equal
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                       reference, train, unpack)
 from harness import RankContext, Ranks
@@ -177,6 +179,74 @@ def test_shm_refuses_a_group_across_hosts_and_names_auto(hosts):
         assert "ranks 0" in message or "rank 0" in message, message
 
 
+def _strided(ctx: RankContext) -> None:
+    """Non-contiguous tensors across hosts, as on one host; the group goes on after them."""
+    pg, n, r = ctx.groups[GROUP], ctx.world_size, ctx.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    got = torch.zeros(6, 2)
+    works = [pg.isend((torch.arange(12.0) + r).reshape(6, 2)[:, 0], right),
+             pg.irecv(got[:, 1], left)]
+    for work in works:
+        work.wait()
+    check_equal(got[:, 1], torch.arange(6.0) * 2 + left, "irecv into a column")
+    check_equal(got[:, 0], torch.zeros(6), "the column beside it")
+    row = torch.zeros(3, 2)
+    if r % 2:
+        pg.recv(row[:, 0], left, 1)
+        pg.send(torch.full((3, 2), float(r))[:, 1], right, 1)
+    else:
+        pg.send(torch.full((3, 2), float(r))[:, 1], right, 1)
+        pg.recv(row[:, 0], left, 1)
+    check_equal(row[:, 0], torch.full((3,), float(left)), "recv into a column")
+    gathered = [torch.zeros(4, 2)[:, 1] for _ in range(n)] if r == 0 else None
+    pg.gather(torch.full((4, 2), float(r))[:, 0], gathered, 0)
+    if r == 0:
+        for k in range(n):
+            check_equal(gathered[k], torch.full((4,), float(k)), f"gather from {k}")
+    out = torch.zeros(3, 2)
+    pg.scatter(out[:, 0], [torch.full((3, 2), float(k))[:, 1] for k in range(n)]
+               if r == 0 else None, 0)
+    check_equal(out[:, 0], torch.full((3,), float(r)), "scatter into a column")
+    flat = torch.arange(2.0 * n) + 100 * r
+    both = torch.zeros(2 * n, 2)
+    pg.all_to_all_single(both[:, 1], torch.stack([flat, flat], 1)[:, 0])
+    expected = torch.cat([torch.tensor([2.0 * r, 2.0 * r + 1]) + 100 * s for s in range(n)])
+    check_equal(both[:, 1], expected, "all_to_all_single into a column")
+    t = torch.ones(3)
+    pg.all_reduce(t)
+    check_equal(t, torch.full((3,), float(n)), "all_reduce after them")
+
+
+def test_non_contiguous_tensors_across_hosts(hosts):
+    hosts.run(_strided)
+
+
+def _p2p_with_the_dead(ctx: RankContext) -> str:
+    pg = pyddp.create_group("auto", store=dist.FileStore(ctx.store_path("p2p-kill"),
+                                                         ctx.world_size),
+                            rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=20))
+    pg.barrier()
+    if ctx.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if ctx.rank != 0:
+        return ""
+    with pytest.raises(dist.DistBackendError) as error:
+        pg.recv(torch.zeros(4), 3, 2)
+    return str(error.value)
+
+
+def test_a_receive_from_a_rank_killed_on_another_host_names_it():
+    pool = HostRanks(PLACEMENTS["2x2"])
+    try:
+        message = pool.run_each([_p2p_with_the_dead] * 4, timeout=120, allow_dead=True)[0]
+    finally:
+        pool.close()
+    assert message.startswith("pyddp: rank 0: recv from rank 3 (tag 2) across hosts failed: "), \
+        message
+    assert "pyddp: pyddp:" not in message, message
+
+
 # --- a rank killed on another host ------------------------------------------------
 
 
@@ -219,6 +289,7 @@ def test_a_rank_killed_on_another_host_is_named_and_nothing_stays_in_shm():
                 continue
             message, elapsed = result
             assert "rank 3" in message, (r, message)
+            assert "pyddp: pyddp:" not in message, (r, message)
             assert elapsed < 20 + 10, (r, elapsed)  # within the group's timeout
         for r, left in enumerate(pool.run_each([_pyddp_segments] * 4, allow_dead=True)):
             assert r == victim or left == [], (r, left)

@@ -4,7 +4,9 @@ On 2, 3 and 4 spawned ranks, against references every rank rebuilds from every
 rank's inputs (collective_cases.py): send/recv in both orders, isend/irecv with
 many tags out of order, FIFO within a tag, batch_isend_irecv ring exchanges,
 0-byte and 64 MiB messages, non-contiguous tensors, point-to-point interleaved
-with collectives; all-to-all with even, uneven and zero-length splits and over
+with collectives, hundreds of messages taken in reverse tag order, collectives
+between ranks with 100 unreceived messages between them, and unexpected
+messages held aside only up to their budget; all-to-all with even, uneven and zero-length splits and over
 lists; gather, scatter and reduce to every root; coalesced all-reduce,
 all-gather and reduce-scatter; subgroups (new_group, new_subgroups, non-members).
 Failures: a receive whose sender never comes fails within the timeout naming
@@ -246,6 +248,112 @@ def test_a_size_or_dtype_mismatch_fails_on_both_ranks(two):
         assert "recv from rank 0 (tag 0, 24 bytes of float32) does not match what rank 0 sent " \
                "(20 bytes of float32)" in size, size
         assert "(16 bytes of int32)" in dtype and "16 bytes of float32" in dtype, dtype
+
+
+# --- unexpected messages ------------------------------------------------------------
+
+
+def _reverse_tags(ctx: RankContext, count: int) -> None:
+    pg = ctx.groups["small"]
+    if ctx.rank == 0:
+        works = [pg.isend(torch.full((70,), float(tag)), 1, tag) for tag in range(count)]
+        for work in works:
+            work.wait()
+    elif ctx.rank == 1:
+        for tag in reversed(range(count)):
+            got = torch.zeros(70)
+            pg.recv(got, 0, tag)
+            check_equal(got, torch.full((70,), float(tag)), f"tag {tag} of {count}")
+
+
+def test_any_number_of_messages_are_received_in_reverse_tag_order(two):
+    # More messages than a channel's verdict queue holds (64), each taken
+    # only after every later one: none waits for the verdict of another.
+    two.run(_reverse_tags, 65)
+    two.run(_reverse_tags, 300)
+
+
+def _collectives_behind_unreceived_sends(ctx: RankContext) -> None:
+    pg, r = ctx.groups["small"], ctx.rank
+    # Rank 0 leaves 100 messages to rank 1 unreceived (each of many pieces);
+    # the collectives between the same ranks do not wait behind them.
+    pending = [pg.isend(torch.full((200,), float(i)), 1, 7) for i in range(100)] if r == 0 \
+        else []
+    inp = torch.arange(4, dtype=torch.float32) + 10 * r
+    out = torch.zeros(4)
+    pg.all_to_all_single(out, inp)
+    check_equal(out, torch.tensor([0.0, 1.0, 10.0, 11.0]) + 2 * r, "all_to_all_single")
+    gathered = [torch.zeros(3) for _ in range(2)] if r == 1 else None
+    pg.gather(torch.full((3,), float(r + 1)), gathered, 1)
+    if r == 1:
+        for k in range(2):
+            check_equal(gathered[k], torch.full((3,), float(k + 1)), f"gather from {k}")
+    t = torch.full((5,), float(r))
+    pg.all_reduce(t)
+    check_equal(t, torch.full((5,), 1.0), "all_reduce")
+    if r == 1:
+        for i in range(100):
+            got = torch.zeros(200)
+            pg.recv(got, 0, 7)
+            check_equal(got, torch.full((200,), float(i)), f"message {i} of tag 7")
+    for work in pending:
+        work.wait()
+
+
+def test_collectives_do_not_wait_behind_unreceived_messages(two):
+    two.run(_collectives_behind_unreceived_sends)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _bounded_aside(ctx: RankContext) -> tuple:
+    options = pyddp.RingOptions()
+    options.p2p_buffer_bytes = 8 << 20
+    # Rank 1 gives up on its receive of tag 2 after 2 s; rank 0's sends wait
+    # for rank 1 to receive them after that.
+    pg = pyddp.create_group("shm", store=dist.FileStore(ctx.store_path("budget"), 2),
+                            rank=ctx.rank, world_size=2, options=options,
+                            timeout=datetime.timedelta(seconds=60 if ctx.rank == 0 else 2))
+    count, size = 40, 1 << 20  # float32 elements: 40 messages of 4 MiB
+    try:
+        if ctx.rank == 0:
+            works = [pg.isend(torch.full((size,), float(i)), 1, 1) for i in range(count)]
+            works.append(pg.isend(torch.full((8,), -1.0), 1, 2))
+            for work in works:
+                work.wait()
+            return "", 0
+        before = _rss_bytes()
+        # Tag 2 comes after 160 MiB of tag 1 that no receive wants: 8 MiB of
+        # it may be held aside, the rest waits in rank 0's channel.
+        with pytest.raises(dist.DistBackendError) as error:
+            pg.recv(torch.zeros(8), 0, 2)
+        grown = _rss_bytes() - before
+        for i in range(count):
+            got = torch.empty(size)
+            pg.recv(got, 0, 1)
+            assert bool((got == float(i)).all()), f"message {i} of tag 1"
+        last = torch.zeros(8)
+        pg.recv(last, 0, 2)
+        check_equal(last, torch.full((8,), -1.0), "the message behind the buffered ones")
+        return str(error.value), grown
+    finally:
+        pg.shutdown()
+
+
+def test_unexpected_messages_are_buffered_up_to_a_budget(two):
+    message, grown = two.run(_bounded_aside)[1]
+    # Unbounded, all 160 MiB would have been copied aside.
+    assert grown < 48 << 20, grown
+    assert "rank 1: recv from rank 0 (tag 2, 32 bytes of float32) did not complete within its " \
+           "timeout: rank 0 sent messages ahead of it that no receive was posted for" in message, \
+        message
+    assert "the limit is 8388608, PYDDP_P2P_BUFFER_BYTES" in message, message
 
 
 def _refused(ctx: RankContext) -> None:

@@ -3,7 +3,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <cstring>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <regex>
 #include <thread>
 
@@ -65,6 +67,66 @@ at::Tensor dense(const at::Tensor& t) {
 void copyBack(const at::Tensor& original, const at::Tensor& computed) {
   if (!original.is_same(computed)) original.copy_(computed);
 }
+
+std::vector<at::Tensor> dense(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(dense(t));
+  return out;
+}
+
+void copyBack(const std::vector<at::Tensor>& originals, const std::vector<at::Tensor>& computed) {
+  for (size_t i = 0; i < originals.size(); ++i) copyBack(originals[i], computed[i]);
+}
+
+// A message that goes into another pyddp error, without its own prefix.
+std::string bare(const std::string& message) {
+  constexpr const char* kPrefix = "pyddp: ";
+  std::string out = message;
+  while (out.rfind(kPrefix, 0) == 0) out.erase(0, std::strlen(kPrefix));
+  return out;
+}
+
+// A point-to-point operation of gloo's: its failure names both ranks and
+// the operation, and a message received into a contiguous buffer is copied
+// into the caller's tensor once it arrived. Waiting twice waits once: a
+// gloo Work's second wait waits for another message (a blocking send
+// waited in sendTo() and again in its caller timed out).
+class CrossHostP2pWork final : public c10d::Work {
+ public:
+  CrossHostP2pWork(WorkPtr inner, std::string what, c10d::OpType type,
+                   std::function<void()> finish)
+      : c10d::Work(-1, type), inner_(std::move(inner)), what_(std::move(what)),
+        finish_(std::move(finish)) {}
+
+  bool isCompleted() override { return inner_->isCompleted(); }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!settled_) {
+      try {
+        inner_->wait(timeout);
+        if (finish_) finish_();
+      } catch (const std::exception& e) {
+        error_ = std::make_exception_ptr(c10::DistBackendError(
+            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+            "pyddp: " + what_ + " failed: " + bare(messageOf(e))));
+      }
+      settled_ = true;
+    }
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+
+ private:
+  const WorkPtr inner_;
+  const std::string what_;
+  const std::function<void()> finish_;
+  std::mutex mu_;
+  bool settled_ = false;     // mu_
+  std::exception_ptr error_;  // mu_
+};
 
 // " with rank 3" / " with ranks 3, 5": the other members of a gloo group,
 // the ranks a failure there can come from.
@@ -148,7 +210,7 @@ std::string HierarchicalEngine::describeLayout() const {
 }
 
 [[noreturn]] void HierarchicalEngine::failed(const std::string& why) {
-  C10_THROW_ERROR(DistBackendError, "pyddp: " + why);
+  C10_THROW_ERROR(DistBackendError, "pyddp: " + bare(why));
 }
 
 void HierarchicalEngine::await(const WorkPtr& work, const char* what,
@@ -158,10 +220,17 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
     const auto now = Clock::now();
     if (now >= nextLook) {
       nextLook = now + kFailurePoll;
-      if (store_->check({kFailureKey})) {
-        const std::vector<uint8_t> why = store_->get(kFailureKey);
+      std::optional<std::vector<uint8_t>> why;
+      try {
+        if (store_->check({kFailureKey})) why = store_->get(kFailureKey);
+      } catch (const std::exception& e) {
+        failed(c10::str("rank ", rank_, ": ", what, " across hosts", others(group, rank_),
+                        " stopped: the store failed (the rank that hosts it may have exited): ",
+                        bare(messageOf(e))));
+      }
+      if (why) {
         failed(c10::str("rank ", rank_, ": ", what, " across hosts stopped: another rank gave "
-                        "up: ", std::string(why.begin(), why.end())));
+                        "up: ", bare(std::string(why->begin(), why->end()))));
       }
     }
     if (interruptRequested()) {
@@ -179,7 +248,7 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
     work->wait();
   } catch (const std::exception& e) {
     failed(c10::str("rank ", rank_, ": ", what, " across hosts", others(group, rank_),
-                    " failed: ", messageOf(e)));
+                    " failed: ", bare(messageOf(e))));
   }
 }
 
@@ -484,17 +553,22 @@ WorkPtr HierarchicalEngine::gatherTo(const std::vector<at::Tensor>& outputs,
     PYDDP_CHECK_VALUE(outputs.empty(), "rank ", rank_, ": gather: only the destination rank ",
                       root, " passes a gather_list");
   }
+  // gloo takes contiguous tensors only.
+  const at::Tensor in = dense(input);
+  const std::vector<at::Tensor> outBufs = dense(outputs);
+  std::vector<at::Tensor> uses = outBufs;
+  uses.push_back(in);
   return onFlat(makeDesc(CollectiveKind::Gather, input.numel(), dtype, RedOp::Sum, root),
-                outputs, {input},
+                outputs, uses,
                 [=](c10d::Backend& g) {
                   std::vector<std::vector<at::Tensor>> outs;
-                  if (!outputs.empty()) outs.push_back(outputs);
-                  std::vector<at::Tensor> ins{input};
+                  if (!outBufs.empty()) outs.push_back(outBufs);
+                  std::vector<at::Tensor> ins{in};
                   c10d::GatherOptions opts;
                   opts.rootRank = root;
                   return g.gather(outs, ins, opts);
                 },
-                nullptr, call);
+                [=] { copyBack(outputs, outBufs); }, call);
 }
 
 WorkPtr HierarchicalEngine::scatterFrom(const at::Tensor& output,
@@ -509,17 +583,22 @@ WorkPtr HierarchicalEngine::scatterFrom(const at::Tensor& output,
     PYDDP_CHECK_VALUE(inputs.empty(), "rank ", rank_, ": scatter: only the source rank ", root,
                       " passes a scatter_list");
   }
+  // gloo takes contiguous tensors only.
+  const at::Tensor out = dense(output);
+  const std::vector<at::Tensor> inBufs = dense(inputs);
+  std::vector<at::Tensor> uses = inBufs;
+  uses.push_back(out);
   return onFlat(makeDesc(CollectiveKind::Scatter, output.numel(), dtype, RedOp::Sum, root),
-                {output}, inputs,
+                {output}, uses,
                 [=](c10d::Backend& g) {
-                  std::vector<at::Tensor> outs{output};
+                  std::vector<at::Tensor> outs{out};
                   std::vector<std::vector<at::Tensor>> ins;
-                  if (!inputs.empty()) ins.push_back(inputs);
+                  if (!inBufs.empty()) ins.push_back(inBufs);
                   c10d::ScatterOptions opts;
                   opts.rootRank = root;
                   return g.scatter(outs, ins, opts);
                 },
-                nullptr, call);
+                [=] { copyBack(output, out); }, call);
 }
 
 WorkPtr HierarchicalEngine::allToAllSingle(const at::Tensor& output, const at::Tensor& input,
@@ -529,14 +608,17 @@ WorkPtr HierarchicalEngine::allToAllSingle(const at::Tensor& output, const at::T
   const char* name = "all_to_all_single";
   const auto [dtype, row, out, in] =
       checks_.allToAll(output, input, outputSplits, inputSplits, name);
+  // gloo takes contiguous tensors only.
+  const at::Tensor inBuf = dense(input);
+  const at::Tensor outBuf = dense(output);
   return onFlat(makeDesc(CollectiveKind::AllToAll, static_cast<size_t>(row), dtype), {output},
-                {input},
+                {inBuf, outBuf},
                 [=](c10d::Backend& g) {
-                  at::Tensor out = output, in = input;
+                  at::Tensor out = outBuf, in = inBuf;
                   std::vector<int64_t> outSplits = outputSplits, inSplits = inputSplits;
                   return g.alltoall_base(out, in, outSplits, inSplits, c10d::AllToAllOptions());
                 },
-                nullptr, call);
+                [=] { copyBack(output, outBuf); }, call);
 }
 
 WorkPtr HierarchicalEngine::allToAllList(const std::vector<at::Tensor>& outputs,
@@ -635,8 +717,11 @@ WorkPtr HierarchicalEngine::sendTo(const at::Tensor& tensor, int dst, int64_t ta
   checks_.tensor(tensor, "send", "tensor");
   checks_.peer(dst, "send", "dst");
   checks_.tag(tag, "send");
-  std::vector<at::Tensor> v{tensor.contiguous()};
-  auto work = flat_->send(v, dst, static_cast<int>(tag));
+  std::vector<at::Tensor> v{dense(tensor)};
+  WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
+      flat_->send(v, dst, static_cast<int>(tag)),
+      c10::str("rank ", rank_, ": send to rank ", dst, " (tag ", tag, ") across hosts"),
+      c10d::OpType::SEND, nullptr);
   if (!call.asyncOp) work->wait();
   return work;
 }
@@ -647,10 +732,13 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
   checks_.writable(tensor, "recv", "tensor");
   checks_.peer(src, "recv", "src");
   checks_.tag(tag, "recv");
-  PYDDP_CHECK_VALUE(tensor.is_contiguous(), "rank ", rank_, ": recv: across hosts the tensor "
-                    "must be contiguous");
-  std::vector<at::Tensor> v{tensor};
-  auto work = flat_->recv(v, src, static_cast<int>(tag));
+  // gloo takes contiguous tensors only.
+  const at::Tensor buf = dense(tensor);
+  std::vector<at::Tensor> v{buf};
+  WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
+      flat_->recv(v, src, static_cast<int>(tag)),
+      c10::str("rank ", rank_, ": recv from rank ", src, " (tag ", tag, ") across hosts"),
+      c10d::OpType::RECV, [tensor, buf] { copyBack(tensor, buf); });
   if (!call.asyncOp) work->wait();
   return work;
 }

@@ -66,6 +66,9 @@ bool P2pExecutor::drive(const std::shared_ptr<Core>& core) {
       core->pending.erase(core->pending.begin() + static_cast<std::ptrdiff_t>(i));
       moved = true;
     }
+    // A waiter's drive may have left the link busy with nothing pending:
+    // the thread takes over.
+    if (core->pending.empty() && core->link->busy()) core->cv.notify_all();
   }
   for (size_t i = 0; i < done.size(); ++i) {
     if (!why[i].empty()) {
@@ -89,8 +92,11 @@ void P2pExecutor::loop(std::shared_ptr<Core> core) {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(core->mu);
-      const bool idle = core->pending.empty();
-      core->cv.wait(lock, [&] { return core->stop || !core->pending.empty(); });
+      const auto busy = [&] {
+        return !core->pending.empty() || (core->link && core->link->busy());
+      };
+      const bool idle = !busy();
+      core->cv.wait(lock, [&] { return core->stop || busy(); });
       if (core->stop) return;
       if (idle) backoff.restart();
     }

@@ -91,8 +91,10 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   const int deviceIndex = device.is_cpu() ? -1 : device.index();
   transport_ = makeTransport(transport, TransportArgs{rank, size, options_, deviceIndex, stream});
   bootstrap::connect(*transport_, *store, rank, size, Ms(options_.timeoutMs));
-  link_ = transport_->messages(std::make_shared<bootstrap::StoreDirectory>(store));
-  if (link_) p2p_ = std::make_unique<P2pExecutor>(rank, *link_);
+  const auto directory = std::make_shared<bootstrap::StoreDirectory>(store);
+  link_ = transport_->messages(directory, Lane::Collectives);
+  userLink_ = transport_->messages(directory, Lane::User);
+  if (userLink_) p2p_ = std::make_unique<P2pExecutor>(rank, *userLink_);
   registeredRefusal_ = whyNotReadRegistered();
   startExecutor();
 }
@@ -143,6 +145,10 @@ void RingEngine::shutdown() {
 #endif
   executor_->shutdown();
   if (transport_) transport_->abort();
+  // Nothing drives the links any more: what they left in /dev/shm goes
+  // now, not when the group is collected.
+  if (link_) link_->close();
+  if (userLink_) userLink_->close();
 }
 
 template <typename Transfer, typename Finish>

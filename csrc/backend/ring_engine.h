@@ -152,7 +152,9 @@ class RingEngine final : public Engine {
   CpuExecutor* cpuExec_ = nullptr;        // executor_, for the CPU
   DeviceExecutor* deviceExec_ = nullptr;  // executor_, for a CUDA device
   std::unique_ptr<Transport> transport_;
-  MessageLink* link_ = nullptr;  // transport_'s, where it has messages
+  // transport_'s, where it has messages: the collectives' and the user's.
+  MessageLink* link_ = nullptr;
+  MessageLink* userLink_ = nullptr;
   std::unique_ptr<P2pExecutor> p2p_;
   std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
 };

@@ -15,8 +15,10 @@ constexpr const char* kTwoShotMaxVar = "PYDDP_TWO_SHOT_MAX_BYTES";
 constexpr const char* kAlgoVar = "PYDDP_ALGO";
 constexpr const char* kDebugVar = "PYDDP_DEBUG";
 constexpr const char* kHostIdVar = "PYDDP_HOSTID";
-constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar, kDirectMaxVar, kTwoShotMaxVar,
-                                    kAlgoVar,      kDebugVar,   kHostIdVar};
+constexpr const char* kP2pBufferVar = "PYDDP_P2P_BUFFER_BYTES";
+constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar, kDirectMaxVar,
+                                    kTwoShotMaxVar, kAlgoVar,     kDebugVar,
+                                    kHostIdVar,     kP2pBufferVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -62,6 +64,10 @@ RingOptions RingOptions::fromEnv() {
       kTwoShotMaxVar, envOr(kTwoShotMaxVar, std::to_string(kDefaultTwoShotMaxBytes))));
   o.algo = parseAlgo(envOr(kAlgoVar, "auto"));
   o.timeoutMs = kDefaultTimeoutMs;
+  const long long p2pBuffer = parseInt(
+      kP2pBufferVar, envOr(kP2pBufferVar, std::to_string(kDefaultP2pBufferBytes)));
+  PYDDP_CHECK_VALUE(p2pBuffer >= 0, kP2pBufferVar, "='", p2pBuffer, "' must not be negative");
+  o.p2pBufferBytes = static_cast<size_t>(p2pBuffer);
   o.validate();
   return o;
 }

@@ -31,6 +31,10 @@ struct RingOptions {
   Algo algo;
   // Milliseconds every wait may take before it fails naming the missing rank.
   int64_t timeoutMs;
+  // Bytes of point-to-point messages that arrived before their receive was
+  // posted that a rank holds per sending peer; more wait in the sender's
+  // channel (transport/shm_channel.h). Each rank's own: ranks may differ.
+  size_t p2pBufferBytes;
 
   static RingOptions fromEnv();
   void validate() const;  // throws ValueError naming the offending setting
@@ -80,6 +84,9 @@ constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
 bool readsRegistered(CollectiveKind kind, size_t bytes);
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
+// Four 64 MiB messages, or any number of small ones, ahead of the receives
+// that want them.
+constexpr size_t kDefaultP2pBufferBytes = 256 * 1024 * 1024;
 
 // Every PYDDP_* variable with its current value ("" when unset).
 std::map<std::string, std::string> settings();

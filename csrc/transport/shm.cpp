@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iomanip>
 #include <limits>
 #include <new>
 #include <random>
@@ -90,6 +91,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       slotBytes_(options.slotBytes),
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
+      p2pBufferBytes_(options.p2pBufferBytes),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       spinPhase_(Backoff::spinPhaseFor(worldSize)),
@@ -101,6 +103,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
 ShmTransport::~ShmTransport() {
   // The channels first: their teardown asks this transport about peers.
   messages_.reset();
+  collectiveMessages_.reset();
   if (linked_) shm_unlink(ownName_.c_str());
   if (probe_) registered::release(probe_);
   for (auto& s : segments_) {
@@ -194,10 +197,12 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
   PYDDP_CHECK(static_cast<int>(blobs.size()) == worldSize_, "expected ",
               worldSize_, " bootstrap blobs, got ", blobs.size());
   std::vector<Blob> peers(worldSize_);
+  segmentNames_.assign(worldSize_, "");
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     peers[peer] = decodeBlob(blobs[peer], peer);
     segments_[peer].pid = peers[peer].pid;
+    segmentNames_[peer] = peers[peer].segment;
     segments_[peer].pidVisible = peers[peer].pidNamespace == pidNamespace_;
   }
   // Refuse before mapping anything, so every rank fails with the same reason.
@@ -296,10 +301,25 @@ void ShmTransport::connected() {
   probe_ = nullptr;
 }
 
-MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
-  if (!messages_) {
-    messages_ = std::make_unique<ShmMessages>(
-        rank_, worldSize_, slotBytes_, numSlots_, std::move(directory),
+std::string ShmTransport::channelName(Lane lane, int src, int dst) const {
+  const std::string& base = src == rank_ ? ownName_ : segmentNames_.at(src);
+  std::ostringstream name;
+  name << base << (lane == Lane::User ? '1' : '2') << std::hex << std::setw(8)
+       << std::setfill('0') << dst;
+  return name.str();
+}
+
+MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory, Lane lane) {
+  auto& messages = lane == Lane::User ? messages_ : collectiveMessages_;
+  if (!messages) {
+    // The collectives' messages are bounded by their algorithms; only the
+    // user's may wait unreceived without end.
+    messages = std::make_unique<ShmMessages>(
+        rank_, worldSize_, slotBytes_, numSlots_,
+        lane == Lane::User ? p2pBufferBytes_ : std::numeric_limits<size_t>::max(),
+        lane == Lane::User ? "p2p" : "coll",
+        [this, lane](int src, int dst) { return channelName(lane, src, dst); },
+        std::move(directory),
         [this](int peer) {
           return peerAlive(peer) ? std::string()
                                  : "rank " + std::to_string(peer) + " (pid " +
@@ -314,7 +334,7 @@ MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory) {
                   std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes));
         });
   }
-  return messages_.get();
+  return messages.get();
 }
 
 std::string ShmTransport::deadPeer() const {
@@ -429,12 +449,13 @@ void ShmTransport::giveUp(const std::string& why, bool onNext) {
 
 void ShmTransport::abort() {
   aborted_.store(true, std::memory_order_relaxed);
-  if (!messages_) return;
   const SegmentHeader* own = segments_[rank_].header;
   const bool gaveUp = own && own->failed.value.load(std::memory_order_acquire) != 0;
-  messages_->abort(gaveUp ? std::string(own->failureText,
-                                        strnlen(own->failureText, kFailureTextBytes))
-                          : teardownReason(rank_, deadPeer()));
+  const std::string why = gaveUp ? std::string(own->failureText,
+                                               strnlen(own->failureText, kFailureTextBytes))
+                                 : teardownReason(rank_, deadPeer());
+  if (messages_) messages_->abort(why);
+  if (collectiveMessages_) collectiveMessages_->abort(why);
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {

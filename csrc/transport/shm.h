@@ -185,8 +185,9 @@ class ShmTransport final : public Transport,
   void abort() override;
   // Also for transports that wait elsewhere (on a GPU).
   std::string deadPeer() const override;
-  // Point-to-point channels between pairs of ranks (shm_channel.h).
-  MessageLink* messages(std::shared_ptr<Directory> directory) override;
+  // Point-to-point channels between pairs of ranks (shm_channel.h), one set
+  // per lane.
+  MessageLink* messages(std::shared_ptr<Directory> directory, Lane lane) override;
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
@@ -259,6 +260,9 @@ class ShmTransport final : public Transport,
   bool peerAlive(int rank) const;
   // "all_reduce #3": the collective waits are in, for messages.
   std::string currentCall() const;
+  // The segment name of `lane`'s channel src -> dst: src's segment name
+  // followed by the lane and dst, so every rank can name it.
+  std::string channelName(Lane lane, int src, int dst) const;
   size_t segmentBytes() const;
 
   const int rank_;
@@ -266,6 +270,7 @@ class ShmTransport final : public Transport,
   const size_t slotBytes_;
   const int numSlots_;
   const size_t directBytes_;
+  const size_t p2pBufferBytes_;
   const std::string hostId_;
   const std::string pidNamespace_;
   // How long a wait spins before it yields (Backoff::spinPhaseFor,
@@ -274,6 +279,7 @@ class ShmTransport final : public Transport,
   const Clock::duration pieceSpinPhase_;
 
   std::string ownName_;   // chosen by reserve()
+  std::vector<std::string> segmentNames_;  // by rank, once connected
   bool linked_ = false;  // own segment name still exists in /dev/shm
   // A page of registered memory the peers map while connecting; released
   // once every rank has connected.
@@ -283,9 +289,11 @@ class ShmTransport final : public Transport,
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
   std::atomic<bool> abandoned_{false};  // the failure text is (being) written
-  // Made by the first messages(), which the engine calls before any other
-  // thread sees this transport (abort() reads it from any thread).
+  // Made by the first messages() of each lane, which the engine calls
+  // before any other thread sees this transport (abort() reads them from
+  // any thread).
   std::unique_ptr<ShmMessages> messages_;
+  std::unique_ptr<ShmMessages> collectiveMessages_;
 
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter

@@ -17,13 +17,8 @@ namespace {
 // directory (a store round trip) for it.
 constexpr auto kLookupPeriod = std::chrono::milliseconds(1);
 
-std::string channelKey(int src, int dst) {
-  return "p2p/" + std::to_string(src) + "-" + std::to_string(dst);
-}
-
-// The name src will give the channel, published before the segment exists.
-std::string reservationKey(int src, int dst) {
-  return "p2p-reserved/" + std::to_string(src) + "-" + std::to_string(dst);
+std::string channelKey(const std::string& lane, int src, int dst) {
+  return lane + "/" + std::to_string(src) + "-" + std::to_string(dst);
 }
 
 void writeText(char* to, size_t capacity, const std::string& text) {
@@ -45,6 +40,8 @@ std::string readText(const char* from, size_t capacity) {
 } // namespace
 
 ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
+                         size_t asideBudget, std::string lane,
+                         std::function<std::string(int src, int dst)> channelName,
                          std::shared_ptr<Directory> directory,
                          std::function<std::string(int peer)> deadPeer,
                          std::function<std::string(int peer)> gaveUp)
@@ -52,6 +49,9 @@ ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
       size_(size),
       slotBytes_(slotBytes),
       numSlots_(numSlots),
+      asideBudget_(asideBudget),
+      lane_(std::move(lane)),
+      channelName_(std::move(channelName)),
       directory_(std::move(directory)),
       deadPeer_(std::move(deadPeer)),
       gaveUp_(std::move(gaveUp)),
@@ -59,7 +59,14 @@ ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
       ins_(size) {}
 
 ShmMessages::~ShmMessages() {
+  close();
+}
+
+void ShmMessages::close() {
   abort("rank " + std::to_string(rank_) + ": the process group was destroyed");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
   for (auto& out : outs_) {
     if (out) out->segment.unlink();  // dst never mapped it: nobody else will
   }
@@ -67,8 +74,8 @@ ShmMessages::~ShmMessages() {
 }
 
 void ShmMessages::reclaimDead() noexcept {
-  // Best effort, at teardown: a store that went with the rank that hosted
-  // it (or no memory to ask with) leaves nothing to learn.
+  // Best effort, at teardown: no memory to build a name with leaves the
+  // rest to the other survivors.
   try {
     std::vector<bool> dead(size_);
     for (int p = 0; p < size_; ++p) dead[p] = p != rank_ && !deadPeer_(p).empty();
@@ -78,13 +85,7 @@ void ShmMessages::reclaimDead() noexcept {
         // A live dst other than this rank may still map it, to read what src
         // posted before it died; it reclaims it at its own teardown.
         if (dst == src || (dst != rank_ && !dead[dst])) continue;
-        try {
-          if (const auto name = directory_->lookup(reservationKey(src, dst))) {
-            Segment::remove(*name);
-          }
-        } catch (const std::exception&) {
-          // This pair's reservation cannot be read: the others still may be.
-        }
+        Segment::remove(channelName_(src, dst));
       }
     }
   } catch (...) {
@@ -111,12 +112,9 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   auto o = std::make_unique<Out>();
   const size_t bytes =
       sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
-  // The name is published before the segment exists: if this rank dies
-  // before dst mapped (and unlinked) it, a survivor removes it
-  // (reclaimDead()).
-  const std::string name = newSegmentName();
-  directory_->publish(reservationKey(rank_, peer), name);
-  o->segment = Segment::create(name, bytes, who());
+  // Every peer can name it: if this rank dies before dst mapped (and
+  // unlinked) it, a survivor removes it (reclaimDead()).
+  o->segment = Segment::create(channelName_(rank_, peer), bytes, who());
   auto* h = new (o->segment.base()) ChannelHeader{};
   h->magic = kChannelMagic;
   h->layoutVersion = kChannelLayoutVersion;
@@ -126,9 +124,8 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   h->slotBytes = slotBytes_;
   o->header = h;
   try {
-    directory_->publish(channelKey(rank_, peer), BlobWriter()
-                                                     .put("segment", o->segment.name())
-                                                     .put("bytes", bytes)
+    directory_->publish(channelKey(lane_, rank_, peer), BlobWriter()
+                                                            .put("bytes", bytes)
                                                      .put("slot_bytes", slotBytes_)
                                                      .put("num_slots", numSlots_)
                                                      .str());
@@ -149,7 +146,7 @@ bool ShmMessages::connect(int peer, In& in) {
   const auto now = Clock::now();
   if (now < in.nextLookup) return false;
   in.nextLookup = now + kLookupPeriod;
-  const auto blob = directory_->lookup(channelKey(peer, rank_));
+  const auto blob = directory_->lookup(channelKey(lane_, peer, rank_));
   if (!blob) return false;
   const std::string what = "rank " + std::to_string(peer) + "'s channel to " + who();
   const BlobReader r(*blob, what);
@@ -162,7 +159,7 @@ bool ShmMessages::connect(int peer, In& in) {
               who(), ": ", what, " has another geometry (", bytes, " bytes, ", numSlots,
               " slots of ", slotBytes, " bytes): set PYDDP_SLOT_BYTES and PYDDP_NUM_SLOTS "
               "alike on all ranks");
-  in.segment = Segment::open(r.str("segment"), bytes, /*writable=*/true, who());
+  in.segment = Segment::open(channelName_(peer, rank_), bytes, /*writable=*/true, who());
   Segment::remove(in.segment.name());  // both ends have it mapped now
   auto* h = static_cast<ChannelHeader*>(in.segment.base());
   PYDDP_CHECK(h->magic == kChannelMagic && h->layoutVersion == kChannelLayoutVersion &&
@@ -222,19 +219,70 @@ void ShmMessages::finish(uint64_t id, Op& op, State state, const std::string& wh
 
 bool ShmMessages::judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total) {
   Op& recv = ops_.at(recvId);
-  Verdict& v = in.header->verdicts[m % kVerdictRing];
   recv.message = m;
   if (recv.dtype == dtype && recv.bytes == total) {
-    v.value.store(2 * m, std::memory_order_release);
+    in.unsent.emplace_back(2 * m, "");
+    flushVerdicts(in);
     return true;
   }
   const std::string why = who() + ": " + describe(recv) + " does not match what rank " +
       std::to_string(recv.peer) + " sent (" + std::to_string(total) + " bytes of " +
       toString(dtype) + "); a send and its recv must agree on size and dtype";
-  writeText(v.text, kVerdictTextBytes, why);
-  v.value.store(2 * m + 1, std::memory_order_release);
+  in.unsent.emplace_back(2 * m + 1, why);
+  flushVerdicts(in);
   finish(recvId, recv, State::Failed, why);
   return false;
+}
+
+void ShmMessages::flushVerdicts(In& in) {
+  ChannelHeader* h = in.header;
+  while (!in.unsent.empty() &&
+         in.verdictsPosted <
+             h->verdictsRead.value.load(std::memory_order_acquire) + kVerdictRing) {
+    Verdict& v = h->verdicts[in.verdictsPosted % kVerdictRing];
+    v.value = in.unsent.front().first;
+    writeText(v.text, kVerdictTextBytes, in.unsent.front().second);
+    h->verdictsPosted.value.store(++in.verdictsPosted, std::memory_order_release);
+    in.unsent.pop_front();
+  }
+}
+
+bool ShmMessages::admits(const In& in, const PieceHeader& piece) const {
+  for (uint64_t id : in.posted) {
+    if (ops_.at(id).tag == piece.tag) return true;
+  }
+  return in.asideBytes + piece.total <= asideBudget_;
+}
+
+void ShmMessages::dropAside(In& in, std::deque<std::unique_ptr<Aside>>::iterator it) {
+  if (in.currentAside == it->get()) in.currentAside = nullptr;
+  in.asideBytes -= (*it)->data.size();
+  in.aside.erase(it);
+}
+
+bool ShmMessages::readVerdicts(Out& o) {
+  ChannelHeader* h = o.header;
+  const uint64_t posted = h->verdictsPosted.value.load(std::memory_order_acquire);
+  if (posted == o.verdictsRead) return false;
+  for (; o.verdictsRead < posted; ++o.verdictsRead) {
+    const Verdict& v = h->verdicts[o.verdictsRead % kVerdictRing];
+    const uint64_t m = v.value / 2;
+    std::string text = v.value % 2 == 1 ? readText(v.text, kVerdictTextBytes) : "";
+    const auto it = o.verdict.find(m);
+    if (it == o.verdict.end()) {
+      o.early.emplace(m, std::make_pair(v.value, std::move(text)));
+      continue;
+    }
+    Op& op = ops_.at(it->second);
+    if (v.value % 2 == 0) {
+      finish(it->second, op, State::Done);
+    } else {
+      finish(it->second, op, State::Failed, text);
+    }
+    o.verdict.erase(it);
+  }
+  h->verdictsRead.value.store(o.verdictsRead, std::memory_order_release);
+  return true;
 }
 
 void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
@@ -254,8 +302,7 @@ void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
       recv.moved = a.data.size();
       finish(recvId, recv, State::Done);
     }
-    if (in.currentAside == &a) in.currentAside = nullptr;  // refused: drop the rest
-    in.aside.erase(it);
+    dropAside(in, it);  // refused: the rest of its pieces are dropped
     return;
   }
 }
@@ -276,6 +323,7 @@ void ShmMessages::arrive(int peer, In& in, const PieceHeader& piece) {
   a->tag = piece.tag;
   a->dtype = dtype;
   a->data.resize(piece.total);
+  in.asideBytes += piece.total;
   in.currentAside = a.get();
   in.aside.push_back(std::move(a));
 }
@@ -287,24 +335,7 @@ bool ShmMessages::progressOut(int peer, Out& o) {
   // Verdicts first: a receiver that took a message and then gave up on the
   // channel (its group was destroyed) did take that message.
   const bool dstFailed = h->dstFailed.value.load(std::memory_order_acquire) != 0;
-  // verdicts of messages fully posted
-  for (auto it = o.verdict.begin(); it != o.verdict.end();) {
-    const uint64_t m = it->first;
-    const Verdict& v = h->verdicts[m % kVerdictRing];
-    const uint64_t value = v.value.load(std::memory_order_acquire);
-    if (value != 2 * m && value != 2 * m + 1) {
-      ++it;
-      continue;
-    }
-    Op& op = ops_.at(it->second);
-    if (value == 2 * m) {
-      finish(it->second, op, State::Done);
-    } else {
-      finish(it->second, op, State::Failed, readText(v.text, kVerdictTextBytes));
-    }
-    it = o.verdict.erase(it);
-    moved = true;
-  }
+  moved |= readVerdicts(o);
   if (dstFailed) {
     failOut(peer, o, readText(h->dstFailureText, kChannelFailureTextBytes), false);
     return true;
@@ -314,16 +345,14 @@ bool ShmMessages::progressOut(int peer, Out& o) {
     const uint64_t id = o.queue.front();
     Op& op = ops_.at(id);
     if (op.message == 0) {
-      const bool ringFull = !o.verdict.empty() &&
-          o.verdict.begin()->first + kVerdictRing <= o.nextMessage;
-      if (ringFull) break;
       op.message = o.nextMessage++;
     } else {
       // Refused after its first piece: the receiver drops the rest, and
       // moves on at the next message's first piece.
-      const Verdict& v = h->verdicts[op.message % kVerdictRing];
-      if (v.value.load(std::memory_order_acquire) == 2 * op.message + 1) {
-        finish(id, op, State::Failed, readText(v.text, kVerdictTextBytes));
+      const auto early = o.early.find(op.message);
+      if (early != o.early.end() && early->second.first % 2 == 1) {
+        finish(id, op, State::Failed, early->second.second);
+        o.early.erase(early);
         o.queue.pop_front();
         moved = true;
         continue;
@@ -343,15 +372,24 @@ bool ShmMessages::progressOut(int peer, Out& o) {
     h->posted.value.store(++o.sent, std::memory_order_release);
     moved = true;
     if (op.moved == op.bytes) {
-      o.verdict.emplace(op.message, id);
       o.queue.pop_front();
+      const auto early = o.early.find(op.message);
+      if (early == o.early.end()) {
+        o.verdict.emplace(op.message, id);
+      } else if (early->second.first % 2 == 0) {
+        finish(id, op, State::Done);
+        o.early.erase(early);
+      } else {
+        finish(id, op, State::Failed, early->second.second);
+        o.early.erase(early);
+      }
     }
   }
   return moved;
 }
 
 bool ShmMessages::progressIn(int peer, In& in) {
-  if (in.failed || in.pending == 0) return false;
+  if (in.failed || (in.pending == 0 && in.unsent.empty())) return false;
   if (!in.header) {
     // A channel that cannot be mapped (its sender unlinked it at teardown,
     // the store failed, or a forged value) fails its receives, not the
@@ -369,11 +407,23 @@ bool ShmMessages::progressIn(int peer, In& in) {
   // Pieces posted before the sender gave up are still good: read them
   // first.
   const bool srcFailed = h->srcFailed.value.load(std::memory_order_acquire) != 0;
+  if (srcFailed) {
+    in.unsent.clear();  // nobody reads them
+  } else {
+    flushVerdicts(in);
+  }
   bool moved = false;
+  in.stalled = false;
   while (in.pending > 0 && h->posted.value.load(std::memory_order_acquire) > in.received) {
     const char* s = slot(h, in.received);
     const PieceHeader piece = *reinterpret_cast<const PieceHeader*>(s);
-    if (piece.message != in.current) arrive(peer, in, piece);
+    if (piece.message != in.current) {
+      if (!admits(in, piece)) {
+        in.stalled = true;
+        break;
+      }
+      arrive(peer, in, piece);
+    }
     const char* payload = s + sizeof(PieceHeader);
     if (in.currentOp != 0) {
       Op& recv = ops_.at(in.currentOp);
@@ -390,9 +440,8 @@ bool ShmMessages::progressIn(int peer, In& in) {
         copyBytes(recv.data, a.data.data(), a.data.size());
         recv.moved = a.data.size();
         finish(id, recv, State::Done);
-        in.currentAside = nullptr;
-        in.aside.erase(std::find_if(in.aside.begin(), in.aside.end(),
-                                    [&](const auto& p) { return p.get() == &a; }));
+        dropAside(in, std::find_if(in.aside.begin(), in.aside.end(),
+                                   [&](const auto& p) { return p.get() == &a; }));
       }
     }
     h->consumed.value.store(++in.received, std::memory_order_release);
@@ -418,6 +467,7 @@ void ShmMessages::failOut(int peer, Out& o, const std::string& why, bool tellPee
   }
   o.queue.clear();
   o.verdict.clear();
+  o.early.clear();
 }
 
 void ShmMessages::failIn(int peer, In& in, const std::string& why, bool tellPeer) {
@@ -433,11 +483,19 @@ void ShmMessages::failIn(int peer, In& in, const std::string& why, bool tellPeer
   }
   in.posted.clear();
   in.aside.clear();
+  in.asideBytes = 0;
+  in.unsent.clear();
   in.currentAside = nullptr;
 }
 
 void ShmMessages::expire(Clock::time_point now) {
   std::unordered_map<int, std::string> deadPeers;  // each peer looked at once
+  for (int peer = 0; peer < size_; ++peer) {
+    In* i = ins_[peer].get();
+    if (!i || i->unsent.empty()) continue;
+    deadPeers[peer] = deadPeer_(peer);
+    if (!deadPeers[peer].empty()) i->unsent.clear();  // nobody reads them
+  }
   for (auto& [id, op] : ops_) {
     if (op.state != State::Pending) continue;
     if (!deadPeers.count(op.peer)) deadPeers[op.peer] = deadPeer_(op.peer);
@@ -453,12 +511,21 @@ void ShmMessages::expire(Clock::time_point now) {
                                             i.received;
       if (!late && (dead.empty() || !drained)) continue;
     }
-    const std::string why = who() + ": " + describe(op) + (late ? " did not complete within "
-                                                                  "its timeout: "
-                                                                : " cannot complete: ") +
-        (!dead.empty() ? dead
-                       : "rank " + std::to_string(op.peer) +
-                             (op.send ? " has not received it" : " has not sent it"));
+    std::string cause = dead;
+    if (cause.empty() && op.send) {
+      cause = "rank " + std::to_string(op.peer) + " has not received it";
+    } else if (cause.empty() && ins_[op.peer]->stalled) {
+      const In& i = *ins_[op.peer];
+      cause = "rank " + std::to_string(op.peer) + " sent messages ahead of it that no " +
+          "receive was posted for, and they fill this rank's buffer for unexpected messages (" +
+          std::to_string(i.asideBytes) + " bytes held, the limit is " +
+          std::to_string(asideBudget_) + ", PYDDP_P2P_BUFFER_BYTES): post their receives "
+          "first, or raise the limit";
+    } else if (cause.empty()) {
+      cause = "rank " + std::to_string(op.peer) + " has not sent it";
+    }
+    const std::string why = who() + ": " + describe(op) +
+        (late ? " did not complete within its timeout: " : " cannot complete: ") + cause;
     giveUp(id, op, why, !dead.empty());
   }
 }
@@ -533,6 +600,14 @@ void ShmMessages::giveUpOn(const std::vector<uint64_t>& ids, const std::string& 
   }
 }
 
+bool ShmMessages::busy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& i : ins_) {
+    if (i && !i->unsent.empty()) return true;
+  }
+  return false;
+}
+
 void ShmMessages::cancel(uint64_t id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = ops_.find(id);
@@ -596,6 +671,16 @@ void ShmMessages::wait(const std::vector<uint64_t>& ids) {
       // The collective is abandoned: its operations half done fail their
       // channels, so the peers waiting on them learn at once.
       if (!failure.empty()) giveUpOn(ids, failure);
+    }
+    // Verdicts this rank owes are the peers' pending sends: they are written
+    // before it returns, unless it is interrupted.
+    if (failure.empty() && !pending && busy() && !interruptRequested()) {
+      if (moved) {
+        backoff.restart();
+      } else {
+        backoff.pause();
+      }
+      continue;
     }
     if (!failure.empty() || !pending) {
       for (uint64_t id : ids) {

@@ -1,22 +1,28 @@
 // Point-to-point messages over shared memory (ShmMessages, the shm
 // transport's MessageLink): one channel per ordered pair of ranks
-// (src -> dst), created by src on its first send to dst, so a group maps
-// only the channels it uses.
+// (src -> dst) and lane (the user's messages, or the collectives'), created
+// by src on its first send to dst, so a group maps only the channels it
+// uses, and no message of one lane waits behind the other's.
 //
 // A channel is one segment, created by src and mapped read-write by dst:
 //
 //   [ ChannelHeader | slots: numSlots x (PieceHeader + slotBytes) ]
 //
-// Ownership: src writes the slots, `posted` and `srcFailed` (+ text); dst
-// writes `consumed`, the verdicts and `dstFailed` (+ text). The rest of the
-// header is written once by src before the segment is published. src
-// publishes the segment's name (p2p-reserved/<src>-<dst>) before it creates
-// it; dst unlinks the name as soon as it has mapped the segment; src unlinks
-// it at teardown if dst never did; and if src died first, dst (or any
-// survivor, where dst died too) unlinks it when its ShmMessages is destroyed
-// (with its engine). A channel's
-// segment is mapped only as shm_segment.h's Segment::open() allows (a pyddp
-// name, a 0600 file of this user of the size the geometry implies).
+// Ownership: src writes the slots, `posted`, `verdictsRead` and `srcFailed`
+// (+ text); dst writes `consumed`, the verdicts, `verdictsPosted` and
+// `dstFailed` (+ text). The rest of the header is written once by src
+// before the segment is published.
+//
+// Names. A channel's segment name is src's own shm segment name followed
+// by the lane and dst, so every rank of the group can name every channel
+// without the store (which may have gone with a dead rank). dst unlinks the
+// name as soon as it has mapped the segment; src unlinks it when its group
+// is destroyed if dst never did; and if src died first, dst (or any
+// survivor, where dst died too) unlinks it when its group is destroyed
+// (close()), at the latest when its process exits. So nothing stays in
+// /dev/shm unless every rank dies. A channel's segment is mapped only as
+// shm_segment.h's Segment::open() allows (a pyddp name, a 0600 file of this
+// user of the size the geometry implies).
 //
 // Protocol. Messages are numbered 1, 2, ... per channel in src's send order
 // and stream through the slots piece by piece; every piece carries its
@@ -29,18 +35,31 @@
 //  - Matching (dst): a message goes to the oldest posted receive from src
 //    with its tag; a message that no posted receive wants is copied aside
 //    until one is posted. So messages of one tag are received in send
-//    order, and tags in any order.
-//  - Verdicts (dst -> src): when dst matches message m it stores
-//    verdict[m % kVerdictRing] = 2m, or 2m + 1 with the reason in its text
-//    when the receive wants another size or dtype (then nothing is copied,
-//    and both sides fail). A send finishes once all its pieces are posted
-//    and its verdict is 2m: only when a receive took it, as gloo's sends.
-//    src starts message m only after it has read the verdict of
-//    m - kVerdictRing, so no verdict is overwritten before src read it.
+//    order, and tags in any order. What is aside is bounded per channel
+//    (asideBudget, PYDDP_P2P_BUFFER_BYTES for the user's lane): a message no
+//    receive wants that would exceed it stays in the slots, unread, until a
+//    receive for it is posted or what is aside shrinks. Its sender waits;
+//    a receive of a later message of the channel waits too (and names the
+//    budget if it times out). A message larger than the budget is never
+//    put aside: it moves when its receive is posted.
+//  - Verdicts (dst -> src), a queue of kVerdictRing entries: when dst
+//    matches message m it appends 2m, or 2m + 1 with the reason in its
+//    text when the receive wants another size or dtype (then nothing is
+//    copied, and both sides fail). dst writes entry n % kVerdictRing once
+//    verdictsRead >= n + 1 - kVerdictRing, then stores verdictsPosted =
+//    n + 1 (release); src reads it once verdictsPosted >= n + 1 (acquire),
+//    then stores verdictsRead = n + 1 (release). Verdicts that do not fit
+//    wait in dst's process (In::unsent), and dst keeps driving progress
+//    until they are written (busy()): src reads them, since each is the
+//    verdict of a send still pending there. Verdicts come in matching
+//    order, not message order, so any number of messages may await
+//    theirs. A send finishes once all its pieces are posted and its verdict
+//    is 2m: only when a receive took it, as gloo's sends.
 //  - Failure: a side that gives up on a channel with an operation half
 //    done (a timeout, an interrupt, teardown) writes its reason, then stores its failed
 //    flag (release); the other side fails every operation on the channel
-//    with that reason (acquire). A failed channel stays failed.
+//    with that reason (acquire). A failed channel stays failed. Verdicts
+//    that src can no longer read (it gave up, or died) are dropped.
 #pragma once
 
 #include <atomic>
@@ -61,16 +80,14 @@ namespace pyddp {
 namespace shm {
 
 constexpr uint64_t kChannelMagic = 0x7079646470326331ull;  // "pyddp2c1"
-constexpr uint32_t kChannelLayoutVersion = 1;
-// Messages of a channel that may wait for their verdict at once; more wait
-// to start. A receiver that takes them out of order (by tag) takes at most
-// this many ahead of the one it waits for.
+constexpr uint32_t kChannelLayoutVersion = 2;
+// Entries of a channel's verdict queue.
 constexpr int kVerdictRing = 64;
 constexpr size_t kVerdictTextBytes = 248;
 constexpr size_t kChannelFailureTextBytes = 448;
 
 struct alignas(kCacheLine) Verdict {
-  std::atomic<uint64_t> value;  // 2m accepted, 2m + 1 refused
+  uint64_t value;  // 2m accepted, 2m + 1 refused
   char text[kVerdictTextBytes];
 };
 static_assert(sizeof(Verdict) == 256);
@@ -98,6 +115,8 @@ struct alignas(kCacheLine) ChannelHeader {
   Counter consumed;   // dst: pieces read
   Counter srcFailed;  // src gave up on the channel; text in srcFailureText
   Counter dstFailed;  // dst gave up on the channel; text in dstFailureText
+  Counter verdictsPosted;  // dst: verdicts written
+  Counter verdictsRead;    // src: verdicts read
   char srcFailureText[kChannelFailureTextBytes];
   char dstFailureText[kChannelFailureTextBytes];
   Verdict verdicts[kVerdictRing];  // dst
@@ -108,10 +127,12 @@ static_assert(offsetof(ChannelHeader, magic) == 0 && offsetof(ChannelHeader, src
               offsetof(ChannelHeader, posted) == 64 && offsetof(ChannelHeader, consumed) == 128 &&
               offsetof(ChannelHeader, srcFailed) == 192 &&
               offsetof(ChannelHeader, dstFailed) == 256 &&
-              offsetof(ChannelHeader, srcFailureText) == 320 &&
-              offsetof(ChannelHeader, dstFailureText) == 768 &&
-              offsetof(ChannelHeader, verdicts) == 1216 &&
-              sizeof(ChannelHeader) == 1216 + 256 * kVerdictRing);
+              offsetof(ChannelHeader, verdictsPosted) == 320 &&
+              offsetof(ChannelHeader, verdictsRead) == 384 &&
+              offsetof(ChannelHeader, srcFailureText) == 448 &&
+              offsetof(ChannelHeader, dstFailureText) == 896 &&
+              offsetof(ChannelHeader, verdicts) == 1344 &&
+              sizeof(ChannelHeader) == 1344 + 256 * kVerdictRing);
 
 class ShmMessages final : public MessageLink {
  public:
@@ -119,14 +140,16 @@ class ShmMessages final : public MessageLink {
   // else which rank exited: for naming why an operation cannot finish.
   // `gaveUp(p)` is "" until rank p gave up on the group's collectives (the
   // shm transport's failed flag), then why: wait() (collectives) stops on
-  // it, the user's point-to-point operations do not.
-  ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
+  // it, the user's point-to-point operations do not. `lane` names the
+  // channels' directory keys ("p2p", "coll"); `channelName(src, dst)` is
+  // the segment name of the channel src -> dst of this lane.
+  // `asideBudget`: bytes of unexpected messages each channel from a peer
+  // may hold aside.
+  ShmMessages(int rank, int size, size_t slotBytes, int numSlots, size_t asideBudget,
+              std::string lane, std::function<std::string(int src, int dst)> channelName,
               std::shared_ptr<Directory> directory,
               std::function<std::string(int peer)> deadPeer,
               std::function<std::string(int peer)> gaveUp);
-  // Tells the peers of every channel that this rank is gone, removes the
-  // names of its channels that dst never mapped and reclaims those of dead
-  // ranks (reclaimDead()), then unmaps.
   ~ShmMessages() override;
 
   uint64_t postSend(int peer, int64_t tag, DataType dtype, const void* data, size_t bytes,
@@ -139,6 +162,11 @@ class ShmMessages final : public MessageLink {
   void wait(const std::vector<uint64_t>& ids) override;
   void abort(const std::string& why) override;
   void cancel(uint64_t id, const std::string& why) override;
+  bool busy() override;
+  // Tells the peers of every channel that this rank is gone, removes the
+  // names of its channels that dst never mapped and those that dead ranks
+  // left (reclaimDead()). Idempotent; the destructor calls it too.
+  void close() override;
 
  private:
   struct Op {
@@ -169,8 +197,11 @@ class ShmMessages final : public MessageLink {
     ChannelHeader* header = nullptr;
     uint64_t sent = 0;          // pieces posted; mirrors header->posted
     uint64_t nextMessage = 1;
+    uint64_t verdictsRead = 0;             // mirrors header->verdictsRead
     std::deque<uint64_t> queue;            // sends not fully posted, in order
     std::map<uint64_t, uint64_t> verdict;  // message -> send awaiting its verdict
+    // Verdicts read for messages not fully posted yet: message -> (value, text).
+    std::map<uint64_t, std::pair<uint64_t, std::string>> early;
     bool failed = false;
     std::string failure;
   };
@@ -187,6 +218,11 @@ class ShmMessages final : public MessageLink {
     uint64_t currentOp = 0;
     Aside* currentAside = nullptr;
     std::deque<std::unique_ptr<Aside>> aside;  // in arrival order
+    size_t asideBytes = 0;     // of the messages in `aside`
+    // The next message wants no posted receive and does not fit the budget.
+    bool stalled = false;
+    uint64_t verdictsPosted = 0;  // mirrors header->verdictsPosted
+    std::deque<std::pair<uint64_t, std::string>> unsent;  // verdicts not yet written
     size_t pending = 0;        // receives from this peer not finished
     bool failed = false;
     std::string failure;
@@ -210,6 +246,14 @@ class ShmMessages final : public MessageLink {
   // Refuses or accepts message m for receive `recvId`; returns whether
   // accepted.
   bool judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total);
+  // Writes what of in.unsent the verdict queue has room for.
+  void flushVerdicts(In& in);
+  // Whether the unexpected message `piece` starts may be read now: a
+  // posted receive wants it, or it fits the aside budget.
+  bool admits(const In& in, const PieceHeader& piece) const;
+  void dropAside(In& in, std::deque<std::unique_ptr<Aside>>::iterator it);
+  // What the sends of `out` learn from the verdict queue.
+  bool readVerdicts(Out& out);
   void finish(uint64_t id, Op& op, State state, const std::string& why = "");
   // Fails every pending operation of the channel; tells the peer when
   // `tellPeer` (this side gave up).
@@ -238,6 +282,9 @@ class ShmMessages final : public MessageLink {
   const int size_;
   const size_t slotBytes_;
   const int numSlots_;
+  const size_t asideBudget_;
+  const std::string lane_;
+  const std::function<std::string(int, int)> channelName_;
   const std::shared_ptr<Directory> directory_;
   const std::function<std::string(int)> deadPeer_;
   const std::function<std::string(int)> gaveUp_;
@@ -248,6 +295,7 @@ class ShmMessages final : public MessageLink {
   std::vector<std::unique_ptr<Out>> outs_;  // by peer, made on first use
   std::vector<std::unique_ptr<In>> ins_;
   Clock::time_point nextExpiry_{};
+  bool closed_ = false;
 };
 
 } // namespace shm

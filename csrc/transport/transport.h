@@ -165,6 +165,14 @@ class MessageLink {
   // one past its deadline: it fails with `why`, and so does its channel,
   // telling the peer, when part of its message has moved.
   virtual void cancel(uint64_t id, const std::string& why) = 0;
+  // Whether progress() still has work of its own with no operation pending
+  // here (a peer's pending send waits for what this end must still write):
+  // whoever drives progress keeps driving it.
+  virtual bool busy() { return false; }
+  // The group is being destroyed: fails what is pending (as abort()) and
+  // removes what this end, or a dead peer, left in the operating system's
+  // namespaces. Idempotent.
+  virtual void close() {}
 };
 
 // What a rank tells its peers when it tears its group down: the first cause
@@ -175,6 +183,12 @@ inline std::string teardownReason(int rank, const std::string& dead) {
   const std::string destroyed = "rank " + std::to_string(rank) + " destroyed its process group";
   return dead.empty() ? destroyed : dead + "; then " + destroyed;
 }
+
+// Which of a transport's message links: the user's point-to-point
+// messages, or those of the collectives built on messages. They move on
+// channels of their own, so that neither waits behind the other's
+// unreceived messages and no user tag can reach a collective's message.
+enum class Lane { User, Collectives };
 
 // A transport connects this rank to all others in two phases: setup()
 // returns a small blob that the engine all-gathers through the store,
@@ -243,7 +257,9 @@ class Transport {
   // Point-to-point messages over this transport, made on first use of a
   // pair of ranks through `directory`; nullptr for transports without
   // them. The link is the transport's and lives as long as it.
-  virtual MessageLink* messages(std::shared_ptr<Directory> directory) { return nullptr; }
+  virtual MessageLink* messages(std::shared_ptr<Directory> directory, Lane lane) {
+    return nullptr;
+  }
 };
 
 } // namespace pyddp
