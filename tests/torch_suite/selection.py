@@ -15,9 +15,7 @@ WORLD_SIZE = 3
 """Ranks per test: odd, so rings and blocks are uneven, and enough for a subgroup that
 leaves a rank out. (torch gates its ``*_group`` tests on 8 ranks, too many for 2 cores.)"""
 
-NOT_IMPLEMENTED_YET = {
-    "all_gather_coalesced": ("allgather_coalesced",),
-}
+NOT_IMPLEMENTED_YET: dict = {}
 """Operations pyddp does not implement, each with the c10d entry points it is refused at.
 
 A test that needs one runs on pyddp and must fail with pyddp's refusal of one of those
@@ -128,9 +126,9 @@ TESTS = {
         "test_all_reduce_coalesced_sum": None,
         "test_all_reduce_coalesced_max": None,
         "test_all_reduce_coalesced_full_group_sum": None,
-        "test_all_gather_coalesced_simple": "all_gather_coalesced",
-        "test_all_gather_coalesced_with_empty": "all_gather_coalesced",
-        "test_all_gather_coalesced_full_group": "all_gather_coalesced",
+        "test_all_gather_coalesced_simple": None,
+        "test_all_gather_coalesced_with_empty": None,
+        "test_all_gather_coalesced_full_group": None,
     },
 }
 
@@ -163,12 +161,6 @@ KNOWN_FAILURES = {
         "(c10d::Logger reads ProcessGroup::getBackendName(), the name of the group's "
         "BackendType, CUSTOM, not the backend's own 'pyddp'): needs a change in torch",
         "'custom' != 'pyddp'"),
-    "test_sparse_all_reduce_sum": (
-        "sparse tensors: pyddp reduces dense tensors only",
-        "tensor has layout Sparse; only dense (strided) tensors are supported"),
-    "test_send_recv_any_source": (
-        "a recv without a source rank is refused: pyddp's channels are per pair of ranks",
-        "recv without a source rank (src=None) is not supported"),
     "test_monitored_barrier_gloo": (
         "torch.distributed.monitored_barrier refuses every backend but gloo in Python "
         "(distributed_c10d.py), before any backend is asked",
