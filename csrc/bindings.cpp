@@ -368,6 +368,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_gather_coalesced", [](Engine& e, Ts outs, Ts ins, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.allGatherCoalesced(outs, ins, c); });
       }, py::arg("outputs"), py::arg("inputs"), async, timeout)
+      .def("all_gather_coalesced_lists", [](Engine& e, const std::vector<std::vector<at::Tensor>>&
+                                                outLists, Ts ins, bool a, const Timeout& to) {
+        return issue(a, to, [&](C c) { return e.allGatherCoalescedLists(outLists, ins, c); });
+      }, py::arg("output_lists"), py::arg("inputs"), async, timeout)
       .def("reduce_scatter_coalesced", [](Engine& e, Ts outs, Ts ins, RedOp op, bool a,
                                            const Timeout& to) {
         return issue(a, to, [&](C c) { return e.reduceScatterCoalesced(outs, ins, op, c); });

@@ -76,6 +76,9 @@ class Engine(Backend):
     def all_gather_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                              async_op: bool,
                              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
+    def all_gather_coalesced_lists(self, output_lists: List[List[torch.Tensor]],
+                                   inputs: List[torch.Tensor], async_op: bool,
+                                   timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
     def reduce_scatter_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                  op: RedOp, async_op: bool,
                                  timeout: Optional[timedelta] = ...) -> Optional[Work]: ...

@@ -15,6 +15,9 @@ followed by the reversal in ``DistributedDataParallel._ddp_init_helper``):
   larger than the cap ends a bucket rather than being split. The first bucket
   of each key has ``first_cap`` (torch uses 1 MiB so the last layers' gradients
   start moving early), the later ones ``cap``.
+- A parameter whose gradient is sparse (``nn.Embedding``/``EmbeddingBag`` with
+  ``sparse=True``) has a bucket of its own: a sparse gradient is all-reduced
+  on its own, never packed.
 - Buckets are ordered by their first parameter in the reversed order: the
   order in which they become ready, and the order they are all-reduced in.
 """
@@ -31,17 +34,22 @@ DEFAULT_FIRST_CAP_BYTES = 1024 * 1024
 
 
 def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int], keys: Sequence[Hashable],
-                   cap_bytes: int, first_cap_bytes: int) -> List[Tuple[int, ...]]:
+                   cap_bytes: int, first_cap_bytes: int,
+                   sparse: Sequence[bool] = ()) -> List[Tuple[int, ...]]:
     """Buckets for tensors given in registration order, in the order they are reduced.
 
     ``numels[i]``, ``element_sizes[i]`` and ``keys[i]`` describe tensor ``i``;
-    tensors with different keys never share a bucket. Each bucket is a tuple
-    of tensor indices in reverse registration order; every index appears
-    exactly once.
+    tensors with different keys never share a bucket, and a tensor with
+    ``sparse[i]`` (empty: none) is a bucket alone. Each bucket is a tuple of
+    tensor indices in reverse registration order; every index appears exactly
+    once.
     """
     if not len(numels) == len(element_sizes) == len(keys):
         raise ValueError(f"assign_buckets: {len(numels)} numels, {len(element_sizes)} element "
                          f"sizes and {len(keys)} keys; expected one of each per tensor")
+    if sparse and len(sparse) != len(numels):
+        raise ValueError(f"assign_buckets: {len(sparse)} sparse flags for {len(numels)} "
+                         "tensors; expected one per tensor, or none")
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"assign_buckets: caps must be positive, got cap_bytes={cap_bytes}, "
                          f"first_cap_bytes={first_cap_bytes}")
@@ -50,6 +58,9 @@ def assign_buckets(numels: Sequence[int], element_sizes: Sequence[int], keys: Se
     open_bytes: Dict[Hashable, int] = {}
     closed_per_key: Dict[Hashable, int] = {}
     for index in reversed(range(len(numels))):
+        if sparse and sparse[index]:
+            closed.append([index])
+            continue
         key = keys[index]
         bucket = open_buckets.setdefault(key, [])
         bucket.append(index)

@@ -110,11 +110,16 @@ class DistributedDataParallel(nn.Module):
         else:
             raise ValueError(self._error(f"bucket_cap_mb must be positive, got {bucket_cap_mb}"))
         params = [p for _, p in named]
+        # As torch's DDP: the weights of sparse embeddings get sparse gradients.
+        sparse_weights = {id(m.weight) for m in module.modules()
+                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+        sparse = [id(p) in sparse_weights for p in params]
         buckets = bucketing.assign_buckets([p.numel() for p in params],
                                            [p.element_size() for p in params],
-                                           [(p.dtype, p.device) for p in params], cap, first_cap)
+                                           [(p.dtype, p.device) for p in params], cap, first_cap,
+                                           sparse)
         self.reducer = Reducer(params, [name for name, _ in named], buckets, self._group,
-                               find_unused_parameters, gradient_as_bucket_view)
+                               find_unused_parameters, gradient_as_bucket_view, sparse)
 
     def _error(self, message: str) -> str:
         return error_message(self._rank, message)

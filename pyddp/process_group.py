@@ -42,6 +42,8 @@ _SUPPORTED_OPS = {
 # pybind11 function, 0.2 us of a 4 KiB all_reduce's few.
 _OP_OF_MEMBER = {id(member): red for member, red in _SUPPORTED_OPS.items()}
 HAS_CUDA: bool = _C.has_cuda
+# The engines' src of a receive from any rank (recv(src=None)).
+_ANY_SOURCE = -1
 # "shm": CPU tensors. "cuda_ipc", "nccl" (NCCL's own collectives) and
 # "nccl_ring" (pyddp's ring over NCCL send/recv): CUDA tensors on the current
 # device. "auto": shm for CPU tensors and, from the first CUDA collective on,
@@ -116,6 +118,10 @@ class Work:
 
     def result(self) -> List[torch.Tensor]:
         return self._work.result()
+
+    def _source_rank(self) -> int:
+        """The rank a completed receive took its message from (torch's Work._source_rank)."""
+        return self._work._source_rank()
 
 
 def _not_now(*args: object) -> object:
@@ -471,6 +477,22 @@ class ProcessGroup:
         engine = self._engine(ins[0], "all_gather_into_tensor_coalesced", "inputs entry")
         return _finish(engine.all_gather_coalesced(outs, ins, async_op), async_op)
 
+    def all_gather_coalesced(self, output_tensor_lists: List[List[torch.Tensor]],
+                             input_tensor_list: List[torch.Tensor], async_op: bool = False
+                             ) -> Optional[Work]:
+        """``output_tensor_lists[r][i]`` = rank r's ``input_tensor_list[i]`` (one dtype, each
+        output shaped as its input), as one collective over the packed inputs."""
+        call = "all_gather_coalesced"
+        ins = self._tensors(input_tensor_list, call, "input_tensor_list")
+        if not isinstance(output_tensor_lists, (list, tuple)):
+            raise TypeError(f"pyddp: rank {self._rank}: {call}: output_tensor_lists must be a "
+                            f"list of lists of tensors, got {type(output_tensor_lists).__name__}")
+        outs = [self._tensors(ts, call, "output_tensor_lists entry") for ts in output_tensor_lists]
+        if not ins:
+            raise ValueError(f"pyddp: rank {self._rank}: {call}: input_tensor_list is empty")
+        engine = self._engine(ins[0], call, "input_tensor_list entry")
+        return _finish(engine.all_gather_coalesced_lists(outs, ins, async_op), async_op)
+
     def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], op=ReduceOp.SUM,
                                         async_op: bool = False) -> Optional[Work]:
@@ -497,17 +519,15 @@ class ProcessGroup:
 
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Work:
         """Starts receiving into ``tensor`` from rank ``src`` (a message of the same size and
-        dtype, with the same tag)."""
+        dtype, with the same tag); with ``src=None``, the first such message from any rank,
+        whose sender the Work's ``_source_rank()`` gives once done."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
         label = self._tag_arg(tag, "recv")
         return Work(self._engine(t, "recv", "tensor").recv(t, peer, label, True))
 
     def _src_arg(self, src: Optional[int]) -> int:
-        if src is None:
-            raise ValueError(f"pyddp: rank {self._rank}: recv without a source rank (src=None) "
-                             "is not supported by pyddp: name the rank the message comes from")
-        return self._rank_arg(src, "recv", "src")
+        return _ANY_SOURCE if src is None else self._rank_arg(src, "recv", "src")
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst``; returns once ``dst`` received it."""
@@ -517,12 +537,18 @@ class ProcessGroup:
         self._engine(t, "send", "tensor").send(t, peer, label, False)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
-        """Receives into ``tensor`` from rank ``src``; returns ``src``."""
+        """Receives into ``tensor`` from rank ``src`` (``None``: from any rank); returns the
+        sender's rank."""
         t = self._tensor(tensor, "recv", "tensor")
         peer = self._src_arg(src)
         label = self._tag_arg(tag, "recv")
-        self._engine(t, "recv", "tensor").recv(t, peer, label, False)
-        return peer
+        engine = self._engine(t, "recv", "tensor")
+        if peer != _ANY_SOURCE:
+            engine.recv(t, peer, label, False)
+            return peer
+        work = Work(engine.recv(t, peer, label, True))
+        work.wait()
+        return work._source_rank()
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier, on every engine of the group
@@ -853,6 +879,14 @@ def all_gather_into_tensor_coalesced(outputs: List[torch.Tensor], inputs: List[t
                                      async_op: bool = False) -> Optional[Work]:
     return _group(group, "all_gather_into_tensor_coalesced").all_gather_into_tensor_coalesced(
         outputs, inputs, async_op)
+
+
+def all_gather_coalesced(output_tensor_lists: List[List[torch.Tensor]],
+                         input_tensor_list: List[torch.Tensor],
+                         group: Optional[ProcessGroup] = None, async_op: bool = False
+                         ) -> Optional[Work]:
+    return _group(group, "all_gather_coalesced").all_gather_coalesced(
+        output_tensor_lists, input_tensor_list, async_op)
 
 
 def reduce_scatter_tensor_coalesced(outputs: List[torch.Tensor], inputs: List[torch.Tensor],

@@ -9,7 +9,9 @@ backward is:
    which parameters the forward's autograd graph cannot reach.
 2. The first hook of the backward queues ``_finalize`` to run when autograd
    finishes, and marks the unreachable parameters ready.
-3. Each hook puts its gradient in the bucket: a copy into the bucket's flat
+3. Each hook puts its gradient in the bucket (a sparse gradient, which has a
+   bucket of its own, is divided by the world size and all-reduced with SUM,
+   as torch's DDP does, and becomes the parameter's gradient): a copy into the bucket's flat
    buffer (or nothing, with ``gradient_as_bucket_view``, where the gradient
    already is a view into it), or, for a large gradient without a comm hook,
    the gradient itself, all-reduced in place. When a bucket's last parameter
@@ -125,10 +127,13 @@ class _Bucket:
     """
 
     def __init__(self, indices: Sequence[int], params: Sequence[torch.nn.Parameter],
-                 pack_all: bool) -> None:
+                 pack_all: bool, sparse: Sequence[bool]) -> None:
         self.indices = tuple(indices)
         members = [params[i] for i in self.indices]
-        packed = [pack_all or p.numel() * p.element_size() < IN_PLACE_MIN_BYTES
+        # A sparse gradient is alone in its bucket (bucketing.assign_buckets).
+        self.sparse = sparse[self.indices[0]]
+        packed = [not self.sparse and (pack_all or p.numel() * p.element_size() <
+                                       IN_PLACE_MIN_BYTES)
                   for p in members]
         self.buffer = _zeros(sum(p.numel() for p, pack in zip(members, packed) if pack),
                              members[0].dtype, members[0].device)
@@ -148,8 +153,10 @@ class Reducer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  buckets: Sequence[Sequence[int]], group: DDPGroup,
-                 find_unused_parameters: bool, gradient_as_bucket_view: bool) -> None:
+                 find_unused_parameters: bool, gradient_as_bucket_view: bool,
+                 sparse: Sequence[bool] = ()) -> None:
         self._params = list(params)
+        self._sparse = list(sparse) or [False] * len(self._params)
         self._names = list(names)
         self._group = group
         self._rank = group.rank()
@@ -178,7 +185,7 @@ class Reducer:
             handle.remove()
 
     def _build_buckets(self, pack_all: bool) -> None:
-        self._buckets = [_Bucket(indices, self._params, pack_all)
+        self._buckets = [_Bucket(indices, self._params, pack_all, self._sparse)
                          for indices in self._bucket_indices]
         # _where[i] = (bucket, slot) of parameter i.
         self._where = [(0, 0)] * len(self._params)
@@ -263,10 +270,14 @@ class Reducer:
         param = self._params[index]
         view = bucket.views[slot]
         grad = param.grad
-        if grad is not None and grad.is_sparse:
-            raise RuntimeError(self._error(f"parameter {self._names[index]!r} has a sparse "
-                                           "gradient; pyddp DDP reduces dense gradients only"))
-        if view is None:
+        if bucket.sparse:
+            bucket.reduced[slot] = self._sparse_gradient(index, grad)
+        elif grad is not None and grad.is_sparse:
+            raise RuntimeError(self._error(
+                f"parameter {self._names[index]!r} has a sparse gradient; pyddp DDP expects "
+                "sparse gradients only for the weights of nn.Embedding and nn.EmbeddingBag "
+                "modules made with sparse=True"))
+        elif view is None:
             # In place on the gradient if this backward produced it; a
             # gradient from earlier (no_sync, or the user's) must stay as it
             # was if no rank used the parameter, so it is reduced in a copy.
@@ -286,6 +297,23 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready_buckets()
 
+    def _sparse_gradient(self, index: int, grad: Optional[torch.Tensor]) -> torch.Tensor:
+        """What the all-reduce of a sparse parameter's gradient sums: a new tensor (a
+        gradient from earlier must stay as it was if no rank used the parameter), divided by
+        the world size unless a comm hook reduces it, as in torch's DDP."""
+        param = self._params[index]
+        if grad is None:
+            # No rank's rows: the layout of an embedding's gradient (one sparse dimension).
+            return torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.long, device=param.device),
+                torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                param.shape)
+        if not grad.is_sparse:
+            raise RuntimeError(self._error(
+                f"parameter {self._names[index]!r} of a sparse embedding has a dense "
+                "gradient; DDP expects a sparse one (sparse=True)"))
+        return grad.clone() if self._hook is not None else grad / self._group.size()
+
     def _launch_ready_buckets(self) -> None:
         last = len(self._buckets) - 1
         while self._next_bucket <= last and self._buckets[self._next_bucket].pending == 0:
@@ -293,15 +321,20 @@ class Reducer:
             bucket = self._buckets[b]
             if self._hook is not None:
                 params = [self._params[i] for i in bucket.indices]
-                grad_bucket = GradBucket(b, bucket.buffer, params, bucket.views, b == last)
+                if bucket.sparse:
+                    grad_bucket = GradBucket(b, bucket.reduced[0], params, bucket.reduced,
+                                             b == last)
+                else:
+                    grad_bucket = GradBucket(b, bucket.buffer, params, bucket.views, b == last)
                 bucket.results = [self._hook(self._hook_state, grad_bucket)]
             else:
                 # The same calls in the same order on every rank: which slots
                 # are packed depends only on the parameters' sizes.
                 tensors = [bucket.buffer] if bucket.buffer.numel() else []
                 tensors += [t for t in bucket.reduced if t is not None]
-                bucket.results = [self._group.all_reduce(t, ReduceOp.AVG, async_op=True)
-                                  for t in tensors]
+                bucket.results = [self._group.all_reduce(
+                    t, ReduceOp.SUM if t.is_sparse else ReduceOp.AVG, async_op=True)
+                    for t in tensors]
             self._next_bucket += 1
         if self._next_bucket > last and self._find_unused and self._used_work is None:
             # Which parameters some rank used: issued right after the last
@@ -360,6 +393,12 @@ class Reducer:
             return None
         value = values[0]
         tensor = value[0] if isinstance(value, (list, tuple)) and value else value
+        if bucket.sparse:
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+                raise RuntimeError(self._error(
+                    f"the communication hook's future for {self._describe(b)} holds "
+                    f"{type(value).__name__}; expected the sparse gradient, reduced"))
+            return tensor
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.buffer.numel():
             raise RuntimeError(self._error(
                 f"the communication hook's future for {self._describe(b)} holds "
@@ -388,6 +427,12 @@ class Reducer:
 
     def _write_back(self, bucket: _Bucket, hook_result: Optional[torch.Tensor],
                     used: Optional[List[int]]) -> None:
+        if bucket.sparse:
+            index = bucket.indices[0]
+            if used is None or used[index] != 0:
+                self._params[index].grad = (hook_result if hook_result is not None
+                                            else bucket.reduced[0])
+            return
         if hook_result is not None and hook_result.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(hook_result.view(bucket.buffer.shape))
         for slot, index in enumerate(bucket.indices):

@@ -6,7 +6,8 @@ passes between them while loopback TCP connects them. Placements: 2 hosts x 2
 ranks (even: the hierarchical layout), the same interleaved (ranks 0, 2 on one
 host), 3 + 1 (uneven: through host leaders), 3 hosts of one rank (gloo alone);
 and PYDDP_HOSTID splitting one real host into two. Every collective, dtype and
-op against the references of the one-host tests, DDP against one process and
+op against the references of the one-host tests, sparse all-reduce against
+a one-process sum, DDP against one process and
 torch's DDP over the "pyddp" backend against gloo, a rank killed on the other
 host named by the survivors, and nothing left in /dev/shm on any host.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import pyddp
 import test_collectives as one_host
 import test_p2p as p2p
+import test_sparse as sparse
 from collective_cases import check_equal
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                       reference, train, unpack)
@@ -92,6 +94,10 @@ def test_rooted_all_to_all_coalesced_and_point_to_point(hosts):
     hosts.run(p2p._all_to_all, GROUP)
     hosts.run(p2p._coalesced, GROUP)
     hosts.run(p2p._ring_exchanges, GROUP)
+
+
+def test_sparse_all_reduce(hosts):
+    hosts.run(sparse._sparse_cases, GROUP)
 
 
 def _mismatch(ctx: RankContext) -> str:

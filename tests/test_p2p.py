@@ -363,8 +363,6 @@ def _refused(ctx: RankContext) -> None:
         pg.send(torch.zeros(1), ctx.rank)
     with pytest.raises(ValueError, match=f"{who}: send: dst={ctx.world_size} is not a rank"):
         pg.send(torch.zeros(1), ctx.world_size)
-    with pytest.raises(ValueError, match="recv without a source rank"):
-        pg.recv(torch.zeros(1))
     with pytest.raises(TypeError, match="send: tensor has dtype ComplexFloat"):
         pg.send(torch.zeros(1, dtype=torch.complex64), (ctx.rank + 1) % ctx.world_size)
     with pytest.raises(ValueError, match="batch_isend_irecv: expected a non-empty list"):
@@ -412,6 +410,68 @@ def _collective_tags_are_out_of_reach(ctx: RankContext) -> None:
 
 def test_collective_tags_are_out_of_reach_of_user_tags(two):
     two.run(_collective_tags_are_out_of_reach)
+
+
+def _any_source(ctx: RankContext, group: str) -> None:
+    """Rank 0 receives from any rank: messages put aside before the receive, receives posted
+    before the messages, and receives from any rank mixed with receives from one rank."""
+    pg, n, r = ctx.groups[group], ctx.world_size, ctx.rank
+    senders = range(1, n)
+    # 1. Messages put aside: rank 0 first takes each sender's tag-9 message, which follows
+    # its three tag-5 messages in the channel, so those wait aside.
+    if r > 0:
+        works = [pg.isend(torch.full((3,), 100.0 * r + seq), 0, tag=5) for seq in range(3)]
+        works.append(pg.isend(torch.full((2,), -float(r)), 0, tag=9))
+        for w in works:
+            w.wait()
+    else:
+        for k in senders:
+            t = torch.zeros(2)
+            assert pg.recv(t, src=k, tag=9) == k
+            check_equal(t, torch.full((2,), -float(k)), "tag 9 from its sender")
+        seen = {k: [] for k in senders}
+        for _ in range(3 * (n - 1)):
+            t = torch.zeros(3)
+            src = pg.recv(t, tag=5)
+            assert int(t[0]) // 100 == src, (src, t)
+            check_equal(t, torch.full((3,), t[0].item()), "any-source message")
+            seen[src].append(int(t[0]) % 100)
+        assert seen == {k: [0, 1, 2] for k in senders}, seen  # FIFO per sender
+    # 2. Receives posted before anything was sent; the Work names the sender.
+    if r == 0:
+        bufs = [torch.zeros(4, dtype=torch.int64) for _ in senders]
+        works = [pg.irecv(b, tag=7) for b in bufs]
+    pg.barrier()
+    if r > 0:
+        pg.send(torch.full((4,), r, dtype=torch.int64), 0, tag=7)
+    else:
+        sources = []
+        for w, b in zip(works, bufs):
+            w.wait()
+            sources.append(w._source_rank())
+            check_equal(b, torch.full((4,), sources[-1], dtype=torch.int64), "irecv(src=None)")
+        assert sorted(sources) == list(senders), sources
+    # 3. A receive from rank 1 and one from any rank take rank 1's messages in post order.
+    for any_first in (False, True):
+        if r == 0:
+            a, b = torch.zeros(1), torch.zeros(1)
+            first = pg.irecv(a, None if any_first else 1, tag=3)
+            second = pg.irecv(b, 1 if any_first else None, tag=3)
+        pg.barrier()
+        if r == 1:
+            pg.send(torch.tensor([1.0]), 0, tag=3)
+            pg.send(torch.tensor([2.0]), 0, tag=3)
+        elif r == 0:
+            first.wait()
+            second.wait()
+            assert (a.item(), b.item()) == (1.0, 2.0), (a, b, any_first)
+            assert first._source_rank() == second._source_rank() == 1
+        pg.barrier()
+
+
+def test_receive_from_any_source(ranks):
+    ranks.run(_any_source, "small")
+    ranks.run(_any_source, "default")
 
 
 # --- all-to-all ----------------------------------------------------------------
@@ -545,6 +605,18 @@ def _coalesced(ctx: RankContext, group: str) -> None:
         for i in range(len(sizes)):
             check_equal(outs[i], torch.cat([inputs[k][i] for k in range(n)]),
                         f"all_gather_into_tensor_coalesced {dtype} tensor {i}")
+        # the list form, with shaped tensors, twice (synchronous, then async)
+        shaped = [[x.reshape(-1, 1) if x.numel() != 5 else x for x in inputs[k]]
+                  for k in range(n)]
+        for async_op in (False, True):
+            lists = [[torch.full_like(x, 4) for x in shaped[r]] for _ in range(n)]
+            work = pg.all_gather_coalesced(lists, shaped[r], async_op=async_op)
+            if async_op:
+                work.wait()
+            for k in range(n):
+                for i in range(len(sizes)):
+                    check_equal(lists[k][i], shaped[k][i],
+                                f"all_gather_coalesced {dtype} rank {k} tensor {i}")
         wholes = [[make_input(k, n * s, dtype, op, salt=10 + i) for i, s in enumerate(sizes)]
                   for k in range(n)]
         outs = [torch.full((s,), 4, dtype=dtype) for s in sizes]

@@ -6,6 +6,8 @@ error text it quotes. A row without a check here, or a check without a row, fail
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import re
 
@@ -52,6 +54,17 @@ def _all_reduce(r, n):
     t = _rank_values(n)[r].clone()
     dist.all_reduce(t)
     check_equal(t, sum(_rank_values(n)), "all_reduce")
+
+
+def _sparse_all_reduce(r, n):
+    def rows(k):  # rank k's 2 rows of a 6 x 2 matrix, the second shared by every rank
+        return torch.sparse_coo_tensor([[k % 6, 5]], torch.tensor([[1.0, k], [2.0, 3.0]]), (6, 2))
+    t = rows(r)
+    dist.all_reduce(t)
+    expected = functools.reduce(operator.add, [rows(k) for k in range(n)]).coalesce()
+    assert t.is_sparse and t.is_coalesced()
+    check_equal(t._indices(), expected._indices(), "sparse all_reduce indices")
+    check_equal(t._values(), expected._values(), "sparse all_reduce values")
 
 
 def _broadcast(r, n):
@@ -207,8 +220,17 @@ def _refused(pattern):
     return check
 
 
-def _recv_anysource(r, n, pattern):
-    _refused(pattern)(r, n, lambda: dist.recv(torch.zeros(1)))
+def _recv_anysource(r, n):
+    if r == 0:
+        got = []
+        for _ in range(n - 1):
+            t = torch.zeros(1)
+            src = dist.recv(t)
+            check_equal(t, torch.tensor([float(src)]), "recv without src")
+            got.append(src)
+        assert sorted(got) == list(range(1, n)), got
+    else:
+        dist.send(torch.tensor([float(r)]), 0)
 
 
 def _bitwise_ops(r, n, pattern):
@@ -216,13 +238,19 @@ def _bitwise_ops(r, n, pattern):
                                                     op=dist.ReduceOp.BAND))
 
 
-def _all_gather_coalesced(r, n, pattern):
-    _refused(pattern)(r, n, lambda: dist.all_gather_coalesced([[torch.zeros(1)] * n],
-                                                              [torch.ones(1)]))
+def _all_gather_coalesced(r, n):
+    ins = [torch.full((2, 3), float(r)), torch.arange(4, dtype=torch.float32) * (r + 1)]
+    outs = [[torch.zeros(2, 3), torch.zeros(4)] for _ in range(n)]
+    dist.all_gather_coalesced(outs, ins)
+    for k in range(n):
+        check_equal(outs[k][0], torch.full((2, 3), float(k)), "all_gather_coalesced")
+        check_equal(outs[k][1], torch.arange(4, dtype=torch.float32) * (k + 1),
+                    "all_gather_coalesced")
 
 
 CHECKS = {
     "`all_reduce`": _all_reduce,
+    "`all_reduce` of a sparse COO tensor": _sparse_all_reduce,
     "`broadcast`": _broadcast,
     "`reduce`": _reduce,
     "`all_gather`, `all_gather_into_tensor`": _all_gather,

@@ -137,8 +137,23 @@ def _async_and_objects(ctx: RankContext) -> None:
 
 
 def _unsupported(ctx: RankContext) -> None:
-    with pytest.raises(ValueError, match="recv without a source rank .* is not supported"):
-        dist.recv(torch.empty(2))
+    # recv without src: the first message from any rank, whose sender it returns.
+    if ctx.rank == 0:
+        got = set()
+        for _ in range(ctx.world_size - 1):
+            t = torch.zeros(2)
+            src = dist.recv(t)
+            check_equal(t, torch.full((2,), float(src)), "recv without src")
+            got.add(src)
+        assert got == set(range(1, ctx.world_size)), got
+        t = torch.zeros(2)
+        work = dist.irecv(t, tag=1)
+        work.wait()
+        check_equal(t, torch.full((2,), float(work._source_rank())), "irecv without src")
+    else:
+        dist.send(torch.full((2,), float(ctx.rank)), 0)
+        if ctx.rank == ctx.world_size - 1:
+            dist.send(torch.full((2,), float(ctx.rank)), 0, tag=1)
     with pytest.raises(ValueError, match=r"allreduce: the pyddp backend does not support "
                                          r"ReduceOp\.BAND"):
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)

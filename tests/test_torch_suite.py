@@ -1,16 +1,14 @@
-"""The driver of torch's distributed suite (tests/torch_suite/): its list and its verdicts.
+"""The driver of torch's distributed suite (tests/torch_suite/): its lists and its verdicts.
 
-The list must name tests that torch's suite has, skip reasons it gives and
-refusals pyddp makes, or the driver would silently run less than it says.
+The lists must name tests that torch's suite has and skip reasons torch
+gives those tests, or the driver would silently expect less than it says.
 The run itself is a CI step (``python tests/torch_suite/run.py``).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
-import re
 import sys
 
 import pytest
@@ -20,95 +18,77 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "torch_suite"))
 import run  # noqa: E402
 import selection  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+@pytest.fixture(scope="module")
+def suite():
+    source = run.suite_source()
+    return source, run.suite_tests(source)
 
 
-def _suite_source() -> str:
-    # Located, not imported: importing torch's suite needs BACKEND and more.
-    spec = importlib.util.find_spec("torch.testing._internal.distributed.distributed_test")
-    with open(spec.origin, encoding="utf-8") as f:
-        return f.read()
+def test_the_whole_class_is_run(suite):
+    _, tests = suite
+    # TestDistBackendWithSpawn's class: a few hundred tests, none left out.
+    assert len(tests) > 200, len(tests)
+    assert "test_sparse_all_reduce_sum" in tests and "test_send_recv_any_source" in tests
 
 
-def _suite_tests(source: str) -> dict:
-    """test name -> its FunctionDef in DistributedTest._DistTestBase."""
-    tree = ast.parse(source)
-    outer = next(n for n in tree.body if isinstance(n, ast.ClassDef)
-                 and n.name == "DistributedTest")
-    base = next(n for n in outer.body if isinstance(n, ast.ClassDef) and n.name == "_DistTestBase")
-    return {n.name: n for n in base.body
-            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+def test_listed_tests_exist_and_say_how_and_why(suite):
+    _, tests = suite
+    for table in (selection.DIFFERENCES, selection.LIFTED_FAILURES):
+        assert set(table) <= set(tests), sorted(set(table) - set(tests))
+    for test, (outcome, reason, text) in selection.DIFFERENCES.items():
+        assert outcome in ("skipped", "failed") and reason and text, test
+    for test, (reason, text) in selection.LIFTED_FAILURES.items():
+        assert reason and text, test
 
 
-def test_every_selected_test_exists_in_torchs_suite():
-    tests = _suite_tests(_suite_source())
-    selected = run.all_tests()
-    missing = sorted(set(selected) - set(tests))
-    assert not missing, f"not in torch's distributed_test.py: {missing}"
-    assert len(selected) == sum(len(group) for group in selection.TESTS.values()), \
-        "a test is listed in two groups"
-
-
-def test_expectations_name_selected_tests_and_known_operations():
-    selected = run.all_tests()
-    for table in (selection.LIFTED_GATES, selection.KNOWN_FAILURES):
-        assert set(table) <= set(selected), sorted(set(table) - set(selected))
-    needs = {need for need in selected.values() if need is not None}
-    # An operation may leave NOT_IMPLEMENTED_YET (it landed); its tests stay.
-    assert set(selection.NOT_IMPLEMENTED_YET) <= needs | set(selection.NOT_IMPLEMENTED_YET)
-    for test in selection.KNOWN_FAILURES:
-        assert selected[test] is None, f"{test}: a known failure needs no pending operation"
-
-
-def test_lifted_gates_are_torchs_reasons_for_those_tests():
-    source = _suite_source()
-    tests = _suite_tests(source)
-    for test, reason in selection.LIFTED_GATES.items():
+def test_listed_skips_are_torchs_checks_of_the_backends_name(suite):
+    source, tests = suite
+    for test, (outcome, _, text) in selection.DIFFERENCES.items():
+        if outcome != "skipped":
+            continue
         decorators = "".join(ast.get_source_segment(source, d)
                              for d in tests[test].decorator_list)
-        if reason.startswith("Test requires backend pyddp to be one of"):
+        if text.startswith("Test requires backend pyddp to be one of"):
             assert "require_backend_is_available" in decorators, test
         else:
-            assert reason in decorators, f"{test}: torch no longer gives {reason!r}"
+            assert text in decorators and "BACKEND" in decorators, test
+    # A test skipped by name is what the second report runs with the skip lifted.
+    assert set(selection.LIFTED_FAILURES) <= {t for t, (o, _, _) in
+                                              selection.DIFFERENCES.items() if o == "skipped"}
 
 
-def test_pending_operations_are_refused_by_those_c10d_entry_points():
-    with open(os.path.join(REPO, "csrc", "backend", "refusing_backend.cpp")) as f:
-        table = set(re.findall(r'^\s*\{"(\w+)",', f.read(), re.M))
-    for op, entry_points in selection.NOT_IMPLEMENTED_YET.items():
-        assert set(entry_points) <= table, (op, set(entry_points) - table)
+PASSED = {"outcome": "passed", "detail": ""}
+SKIPPED = {"outcome": "skipped", "detail": "Need at least 2 CUDA devices"}
+FAILED = {"outcome": "failed", "detail": "AssertionError: tensors differ"}
 
 
-@pytest.mark.parametrize("outcome, detail, expected", [
-    ("passed", "", "passed"),
-    ("skipped", "Need at least 2 CUDA devices", "skipped"),
-    ("failed", "NotImplementedError: pyddp: rank 1: torch.distributed.all_gather_coalesced "
-               "(c10d's allgather_coalesced): pyddp's shm engine does not support it",
-     "expected failure"),
-    ("failed", "AssertionError: tensors differ", "FAILED"),
+@pytest.mark.parametrize("gloo, pyddp, verdict", [
+    (PASSED, PASSED, "passed"),
+    (SKIPPED, SKIPPED, "as gloo"),
+    (FAILED, FAILED, "as gloo"),
+    (FAILED, PASSED, "passed"),
+    (PASSED, FAILED, "FAILED"),
+    (PASSED, SKIPPED, "FAILED"),
 ])
-def test_a_pending_operations_test_must_fail_with_pyddps_refusal(outcome, detail, expected):
-    verdict, note = run.classify("pyddp", "test_all_gather_coalesced_simple",
-                                 {"outcome": outcome, "detail": detail})
-    if outcome == "passed":
-        # Still listed as not implemented: the list must be updated.
-        assert verdict == "FAILED" and "delete its line" in note
-    else:
-        assert verdict == expected, note
+def test_pyddp_must_pass_what_gloo_passes(gloo, pyddp, verdict):
+    assert run.classify("test_not_listed", gloo, pyddp)[0] == verdict
 
 
-def test_a_landed_operations_tests_must_pass(monkeypatch):
-    monkeypatch.delitem(selection.NOT_IMPLEMENTED_YET, "all_gather_coalesced")
-    test = "test_all_gather_coalesced_simple"
-    assert run.classify("pyddp", test, {"outcome": "passed", "detail": ""}) == ("passed", "")
-    refused = "NotImplementedError: pyddp: rank 0: ... (c10d's allgather_coalesced): ..."
-    assert run.classify("pyddp", test, {"outcome": "failed", "detail": refused})[0] == "FAILED"
+def test_a_listed_difference_must_happen_as_listed(monkeypatch):
+    monkeypatch.setitem(selection.DIFFERENCES, "test_x",
+                        ("failed", "a reason", "only implemented for GLOO"))
+    known = {"outcome": "failed", "detail": "RuntimeError: ... only implemented for GLOO ..."}
+    assert run.classify("test_x", PASSED, known) == ("expected difference", "a reason")
+    assert run.classify("test_x", PASSED, FAILED)[0] == "FAILED"
+    assert run.classify("test_x", PASSED, SKIPPED)[0] == "FAILED"
+    verdict, note = run.classify("test_x", PASSED, PASSED)
+    assert verdict == "FAILED" and "delete it" in note
 
 
-def test_known_failures_must_fail_as_known_and_gloo_must_pass():
-    test, (_, text) = next(iter(selection.KNOWN_FAILURES.items()))
-    assert run.classify("pyddp", test, {"outcome": "failed", "detail": f"x {text} y"})[0] == \
-        "expected failure"
-    assert run.classify("pyddp", test, {"outcome": "failed", "detail": "other"})[0] == "FAILED"
-    assert run.classify("pyddp", test, {"outcome": "passed", "detail": ""})[0] == "FAILED"
-    assert run.classify("gloo", test, {"outcome": "failed", "detail": text})[0] == "FAILED"
+def test_a_lifted_gate_must_pass_unless_listed(monkeypatch):
+    assert run.classify_lifted("test_x", PASSED) == ("passed", "")
+    assert run.classify_lifted("test_x", FAILED)[0] == "FAILED"
+    monkeypatch.setitem(selection.LIFTED_FAILURES, "test_x", ("a reason", "tensors differ"))
+    assert run.classify_lifted("test_x", FAILED) == ("expected failure", "a reason")
+    assert run.classify_lifted("test_x", PASSED)[0] == "FAILED"

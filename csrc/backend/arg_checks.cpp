@@ -124,6 +124,30 @@ DataType ArgChecks::sameType(const std::vector<at::Tensor>& tensors, const char*
   return dtype;
 }
 
+DataType ArgChecks::coalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                                   const std::vector<at::Tensor>& inputs,
+                                   const char* call) const {
+  const DataType dtype = sameType(inputs, call, "input", false);
+  PYDDP_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, "rank ", rank_, ": ", call,
+                    ": got ", outputLists.size(), " output lists, expected world_size = ", size_);
+  for (size_t r = 0; r < outputLists.size(); ++r) {
+    const auto& list = outputLists[r];
+    PYDDP_CHECK_VALUE(list.size() == inputs.size(), "rank ", rank_, ": ", call, ": output list ",
+                      r, " has ", list.size(), " tensors, expected ", inputs.size(),
+                      " (one per input)");
+    for (size_t i = 0; i < list.size(); ++i) {
+      PYDDP_CHECK_TYPE(tensor(list[i], call, "output") == dtype, "rank ", rank_, ": ", call,
+                       ": output ", i, " of list ", r, " has dtype ", list[i].scalar_type(),
+                       ", expected ", inputs[i].scalar_type(), " (input ", i, "'s)");
+      PYDDP_CHECK_VALUE(list[i].sizes() == inputs[i].sizes(), "rank ", rank_, ": ", call,
+                        ": output ", i, " of list ", r, " has shape ", list[i].sizes(),
+                        ", expected ", inputs[i].sizes(), " (input ", i, "'s)");
+      writable(list[i], call, "output");
+    }
+  }
+  return dtype;
+}
+
 ArgChecks::AllToAll ArgChecks::allToAll(const at::Tensor& output, const at::Tensor& input,
                                         const std::vector<int64_t>& outputSplits,
                                         const std::vector<int64_t>& inputSplits,

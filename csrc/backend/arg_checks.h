@@ -41,6 +41,11 @@ class ArgChecks {
   // The one dtype of a coalesced call's tensors (writable when `written`).
   DataType sameType(const std::vector<at::Tensor>& tensors, const char* call, const char* what,
                     bool written) const;
+  // all_gather_coalesced's lists: `inputs` of one dtype, and world_size
+  // output lists, each shaped as `inputs` (tensor by tensor, in dtype and
+  // shape, as gloo checks them); returns the dtype.
+  DataType coalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                          const std::vector<at::Tensor>& inputs, const char* call) const;
 
   // Element counts and offsets of the world_size blocks of an all-to-all
   // buffer: splits[k] rows (dim 0) each of `row` elements, or equal blocks

@@ -47,6 +47,19 @@ Packed packAllGather(const std::vector<at::Tensor>& outputs,
                 }};
 }
 
+Packed packAllGatherLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                          const std::vector<at::Tensor>& inputs, int size) {
+  const at::Tensor input = at::cat(flattened(inputs));
+  const int64_t block = input.numel();
+  const at::Tensor output = at::empty({block * size}, input.options());
+  return Packed{input, output, [output, outputLists, block] {
+                  for (size_t r = 0; r < outputLists.size(); ++r) {
+                    scatterSlices(output.narrow(0, static_cast<int64_t>(r) * block, block),
+                                  outputLists[r]);
+                  }
+                }};
+}
+
 Packed packReduceScatter(const std::vector<at::Tensor>& outputs,
                          const std::vector<at::Tensor>& inputs, int size) {
   std::vector<at::Tensor> blocks;

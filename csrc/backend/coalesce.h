@@ -25,6 +25,10 @@ Packed packAllReduce(const std::vector<at::Tensor>& tensors);
 // block holding rank r's inputs in order.
 Packed packAllGather(const std::vector<at::Tensor>& outputs,
                      const std::vector<at::Tensor>& inputs, int size);
+// outputLists[r][i] (shaped as inputs[i]) = rank r's inputs[i]: input and
+// output as packAllGather's.
+Packed packAllGatherLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                          const std::vector<at::Tensor>& inputs, int size);
 // outputs[i] = block rank of inputs[i] (size x outputs[i].numel() elements)
 // reduced over the ranks: input = size blocks, block r holding block r of
 // every input in order; output = concat(outputs).

@@ -39,6 +39,11 @@ c10::intrusive_ptr<c10::ivalue::Future> CpuWork::getFuture() {
   return future_;
 }
 
+int CpuWork::sourceRank() const {
+  const int source = source_.load(std::memory_order_relaxed);
+  return source >= 0 ? source : c10d::Work::sourceRank();
+}
+
 std::vector<at::Tensor> CpuWork::result() {
   std::lock_guard<std::mutex> lock(mutex_);
   return outputs_;

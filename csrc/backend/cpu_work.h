@@ -55,6 +55,10 @@ class CpuWork final : public c10d::Work {
 
   void complete();
   void fail(std::exception_ptr error);
+  // A receive's sender, before complete(): what sourceRank() returns.
+  void setSourceRank(int rank) { source_.store(rank, std::memory_order_relaxed); }
+  // The sender of a completed receive (torch's Work._source_rank()).
+  int sourceRank() const override;
 
  private:
   // "all_reduce #3", or "all_reduce (queued)" before it started.
@@ -73,6 +77,7 @@ class CpuWork final : public c10d::Work {
 
   const CollectiveKind kind_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<int> source_{-1};
   const std::thread::id workerId_;
   const Driver driver_;
   const std::string what_;

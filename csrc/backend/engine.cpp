@@ -11,6 +11,10 @@ Engine::Engine(int rank, int size, c10::Device device, std::string transport)
       transport_(std::move(transport)),
       checks_(rank, size, device, "this group's " + transport_ + " transport") {}
 
+WorkPtr Engine::allReduceSparse(const at::Tensor&, RedOp, const CallOptions&) {
+  refuse("allreduce_sparse");
+}
+
 WorkPtr Engine::reduceTo(const at::Tensor&, RedOp, int, const CallOptions&) {
   refuse("reduce");
 }
@@ -43,6 +47,11 @@ WorkPtr Engine::allReduceCoalesced(const std::vector<at::Tensor>&, RedOp, const 
 WorkPtr Engine::allGatherCoalesced(const std::vector<at::Tensor>&,
                                    const std::vector<at::Tensor>&, const CallOptions&) {
   refuse("all_gather_into_tensor_coalesced");
+}
+
+WorkPtr Engine::allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>&,
+                                        const std::vector<at::Tensor>&, const CallOptions&) {
+  refuse("all_gather_coalesced");
 }
 
 WorkPtr Engine::reduceScatterCoalesced(const std::vector<at::Tensor>&,
@@ -89,6 +98,13 @@ WorkPtr Engine::allreduce(std::vector<at::Tensor>& tensors, const c10d::Allreduc
                    callOf(opts.asyncOp, opts.timeout));
 }
 
+WorkPtr Engine::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                 const c10d::AllreduceOptions& opts) {
+  return allReduceSparse(single(tensors, "allreduce_sparse", "input"),
+                         redOp(opts.reduceOp, "allreduce_sparse"),
+                         callOf(opts.asyncOp, opts.timeout));
+}
+
 WorkPtr Engine::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                     const c10d::AllreduceCoalescedOptions& opts) {
   return allReduceCoalesced(tensors, redOp(opts.reduceOp, "allreduce_coalesced"),
@@ -120,6 +136,12 @@ WorkPtr Engine::allgather(std::vector<std::vector<at::Tensor>>& outputs,
 WorkPtr Engine::_allgather_base(at::Tensor& output, at::Tensor& input,
                                 const c10d::AllgatherOptions& opts) {
   return allGatherSingle(output, input, callOf(opts.asyncOp, opts.timeout));
+}
+
+WorkPtr Engine::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                    std::vector<at::Tensor>& inputs,
+                                    const c10d::AllgatherOptions& opts) {
+  return allGatherCoalescedLists(outputLists, inputs, callOf(opts.asyncOp, opts.timeout));
 }
 
 WorkPtr Engine::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -212,10 +234,9 @@ WorkPtr Engine::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
                   callOf(true, c10d::kUnsetTimeout));
 }
 
-WorkPtr Engine::recvAnysource(std::vector<at::Tensor>&, int) {
-  C10_THROW_ERROR(ValueError, c10::str("pyddp: rank ", rank_, ": recv without a source rank "
-                                       "(src=None) is not supported by pyddp: name the rank "
-                                       "the message comes from"));
+WorkPtr Engine::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return recvFrom(single(tensors, "recv", "output"), kAnySource, tag,
+                  callOf(true, c10d::kUnsetTimeout));
 }
 
 WorkPtr Engine::barrier(const c10d::BarrierOptions& opts) {

@@ -23,6 +23,8 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 class Engine : public RefusingBackend {
  public:
+  static constexpr int kAnySource = -1;
+
   // `transport` names what moves the bytes ("shm", "cuda_ipc", "nccl"),
   // for users and messages.
   Engine(int rank, int size, c10::Device device, std::string transport);
@@ -42,6 +44,10 @@ class Engine : public RefusingBackend {
   virtual WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input,
                                       RedOp op, const CallOptions& call) = 0;
   virtual WorkPtr barrierAll(const CallOptions& call) = 0;
+  // A sparse COO tensor summed over the ranks (backend/sparse.h): every
+  // rank's tensor becomes the same coalesced sum. all_reduce's engines
+  // send sparse tensors here.
+  virtual WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call);
   // `tensor` of rank `root` = the reduction; other ranks' tensors are left
   // as they were.
   virtual WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
@@ -70,12 +76,18 @@ class Engine : public RefusingBackend {
   virtual WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                                      const std::vector<at::Tensor>& inputs,
                                      const CallOptions& call);
+  // outputLists[r][i] = rank r's inputs[i] (torch's all_gather_coalesced).
+  virtual WorkPtr allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                                          const std::vector<at::Tensor>& inputs,
+                                          const CallOptions& call);
   // outputs[i] = block rank of inputs[i] reduced over the ranks.
   virtual WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                          const std::vector<at::Tensor>& inputs, RedOp op,
                                          const CallOptions& call);
   // Point-to-point, outside the order of collectives: messages between two
   // ranks with the same tag are received in the order they were sent.
+  // recvFrom's `src` may be kAnySource: the first message with the tag
+  // from any rank; the Work's sourceRank() names the sender.
   virtual WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
                          const CallOptions& call);
   virtual WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
@@ -90,6 +102,8 @@ class Engine : public RefusingBackend {
   // overridden here are refused by RefusingBackend.
   WorkPtr allreduce(std::vector<at::Tensor>& tensors,
                     const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_sparse(std::vector<at::Tensor>& tensors,
+                           const c10d::AllreduceOptions& opts) override;
   WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
                               const c10d::AllreduceCoalescedOptions& opts) override;
   WorkPtr broadcast(std::vector<at::Tensor>& tensors,
@@ -103,6 +117,9 @@ class Engine : public RefusingBackend {
                     std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
   WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input,
                           const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                              std::vector<at::Tensor>& inputs,
+                              const c10d::AllgatherOptions& opts) override;
   WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllgatherOptions& opts) override;

@@ -12,6 +12,7 @@
 #include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
 #include "backend/ring_engine.h"
+#include "backend/sparse.h"
 #include "common/check.h"
 #include "common/descriptor.h"
 #include "common/interrupt.h"
@@ -118,6 +119,8 @@ class CrossHostP2pWork final : public c10d::Work {
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  // A receive from any source: the sender gloo took its message from.
+  int sourceRank() const override { return inner_->sourceRank(); }
 
  private:
   const WorkPtr inner_;
@@ -423,6 +426,7 @@ void HierarchicalEngine::broadcastSteps(const at::Tensor& buf, int src) {
 
 WorkPtr HierarchicalEngine::allReduce(const at::Tensor& tensor, RedOp op,
                                       const CallOptions& call) {
+  if (tensor.is_sparse()) return allReduceSparse(tensor, op, call);
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
   checks_.op(op, dtype, "all_reduce");
@@ -432,6 +436,27 @@ WorkPtr HierarchicalEngine::allReduce(const at::Tensor& tensor, RedOp op,
                   allReduceSteps(buf, op);
                   finishAverage(buf, op, size_);
                   copyBack(tensor, buf.view(tensor.sizes()));
+                },
+                call);
+}
+
+WorkPtr HierarchicalEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
+                                            const CallOptions& call) {
+  const char* name = "all_reduce";
+  const at::Tensor input = sparse::coalescedInput(tensor, op, rank_, device_, name);
+  // As RingEngine's: the headers first, then the blocks, queued at once.
+  const at::Tensor headers = at::empty({size_ * sparse::kHeaderWords}, at::kLong);
+  const WorkPtr gathered =
+      allGatherSingle(headers, sparse::headerOf(input), CallOptions{false, call.timeout, true});
+  if (gathered) gathered->wait();
+  const sparse::Blocks b = sparse::plan(headers, rank_, size_, name);
+  const at::Tensor in = sparse::pack(input, b.bytes);
+  const at::Tensor out = at::empty({size_ * b.bytes}, at::kByte);
+  return submit(makeDesc(CollectiveKind::AllGather, b.bytes, DataType::UInt8), {tensor},
+                {in, out},
+                [=, this] {
+                  allGatherSteps(out, in);
+                  tensor.copy_(sparse::sum(out, b));
                 },
                 call);
 }
@@ -690,6 +715,22 @@ WorkPtr HierarchicalEngine::allGatherCoalesced(const std::vector<at::Tensor>& ou
                 call);
 }
 
+WorkPtr HierarchicalEngine::allGatherCoalescedLists(
+    const std::vector<std::vector<at::Tensor>>& outputLists,
+    const std::vector<at::Tensor>& inputs, const CallOptions& call) {
+  const DataType dtype = checks_.coalescedLists(outputLists, inputs, "all_gather_coalesced");
+  const Packed p = packAllGatherLists(outputLists, inputs, size_);
+  std::vector<at::Tensor> outputs;
+  for (const auto& list : outputLists) outputs.insert(outputs.end(), list.begin(), list.end());
+  return submit(makeDesc(CollectiveKind::AllGather, p.input.numel(), dtype), outputs,
+                {p.input, p.output},
+                [=, this] {
+                  allGatherSteps(p.output, p.input);
+                  p.unpack();
+                },
+                call);
+}
+
 WorkPtr HierarchicalEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                                    const std::vector<at::Tensor>& inputs,
                                                    RedOp op, const CallOptions& call) {
@@ -730,14 +771,16 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
                                      const CallOptions& call) {
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
-  checks_.peer(src, "recv", "src");
+  if (src != kAnySource) checks_.peer(src, "recv", "src");
   checks_.tag(tag, "recv");
   // gloo takes contiguous tensors only.
   const at::Tensor buf = dense(tensor);
   std::vector<at::Tensor> v{buf};
+  const std::string from = src == kAnySource ? "any rank" : c10::str("rank ", src);
   WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
-      flat_->recv(v, src, static_cast<int>(tag)),
-      c10::str("rank ", rank_, ": recv from rank ", src, " (tag ", tag, ") across hosts"),
+      src == kAnySource ? flat_->recvAnysource(v, static_cast<int>(tag))
+                        : flat_->recv(v, src, static_cast<int>(tag)),
+      c10::str("rank ", rank_, ": recv from ", from, " (tag ", tag, ") across hosts"),
       c10d::OpType::RECV, [tensor, buf] { copyBack(tensor, buf); });
   if (!call.asyncOp) work->wait();
   return work;

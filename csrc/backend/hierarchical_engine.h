@@ -70,6 +70,7 @@ class HierarchicalEngine final : public Engine {
   std::string describeLayout() const;
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
+  WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
                           const CallOptions& call) override;
   WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
@@ -95,6 +96,9 @@ class HierarchicalEngine final : public Engine {
   WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                              const std::vector<at::Tensor>& inputs,
                              const CallOptions& call) override;
+  WorkPtr allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                                  const std::vector<at::Tensor>& inputs,
+                                  const CallOptions& call) override;
   WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                  const std::vector<at::Tensor>& inputs, RedOp op,
                                  const CallOptions& call) override;

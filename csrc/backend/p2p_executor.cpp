@@ -48,6 +48,7 @@ void P2pExecutor::shutdown(const std::string& why) {
 bool P2pExecutor::drive(const std::shared_ptr<Core>& core) {
   std::vector<Pending> done;
   std::vector<std::string> why;
+  std::vector<int> sources;
   bool moved = false;
   {
     std::lock_guard<std::mutex> lock(core->mu);
@@ -60,6 +61,7 @@ bool P2pExecutor::drive(const std::shared_ptr<Core>& core) {
         ++i;
         continue;
       }
+      sources.push_back(core->link->sourceOf(core->pending[i].id));
       core->link->release(core->pending[i].id);
       why.push_back(state == MessageLink::State::Failed ? error : "");
       done.push_back(std::move(core->pending[i]));
@@ -75,6 +77,7 @@ bool P2pExecutor::drive(const std::shared_ptr<Core>& core) {
       done[i].work->fail(commError(why[i]));
       continue;
     }
+    done[i].work->setSourceRank(sources[i]);
     try {
       if (done[i].finish) done[i].finish();
     } catch (const std::exception&) {
@@ -164,7 +167,9 @@ c10::intrusive_ptr<c10d::Work> P2pExecutor::recv(const at::Tensor& output,
     id = core_->link->postRecv(peer, tag, *dtype, buffer.data_ptr(), buffer.nbytes(),
                                deadlineAfter(timeout));
   }
-  return post(CollectiveKind::Recv, c10::str("recv from rank ", peer, " (tag ", tag, ")"), id,
+  const std::string from =
+      peer == MessageLink::kAnySource ? "any rank" : c10::str("rank ", peer);
+  return post(CollectiveKind::Recv, c10::str("recv from ", from, " (tag ", tag, ")"), id,
               {output}, {output, buffer}, std::move(finish));
 }
 

@@ -34,7 +34,9 @@ class P2pExecutor {
 
   // `tensor` (contiguous) is sent to / received from `peer`; `keep` holds
   // tensors the operation reads or writes; `finish` runs once it succeeded
-  // (copying a received message into a non-contiguous tensor).
+  // (copying a received message into a non-contiguous tensor). A receive's
+  // `peer` may be MessageLink::kAnySource; its Work's sourceRank() is the
+  // rank it took its message from.
   c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int peer, int64_t tag,
                                       std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& output, const at::Tensor& buffer,

@@ -4,6 +4,7 @@
 #include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
 #include "backend/p2p_executor.h"
+#include "backend/sparse.h"
 #include "common/check.h"
 #include "transport/factory.h"
 
@@ -247,11 +248,31 @@ void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataTy
 }
 
 WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) {
+  if (tensor.is_sparse()) return allReduceSparse(tensor, op, call);
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
   checks_.op(op, dtype, "all_reduce");
   const at::Tensor buf = dense(tensor);
   return allReduceFlat(buf, spec(dtype, op), {tensor}, [=] { copyBack(tensor, buf); }, call);
+}
+
+WorkPtr RingEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
+                                    const CallOptions& call) {
+  const char* name = "all_reduce";
+  const at::Tensor input = sparse::coalescedInput(tensor, op, rank_, device_, name);
+  // The headers' all-gather is done before the blocks' is queued, so that
+  // every rank knows the blocks' size; nothing is issued between the two.
+  const at::Tensor headers = at::empty({size_ * sparse::kHeaderWords}, at::kLong);
+  // A synchronous call the executor queues (behind work still running)
+  // returns its Work: done once that Work is.
+  const WorkPtr gathered =
+      allGatherSingle(headers, sparse::headerOf(input), CallOptions{false, call.timeout, true});
+  if (gathered) gathered->wait();
+  const sparse::Blocks b = sparse::plan(headers, rank_, size_, name);
+  const at::Tensor out = at::empty({size_ * b.bytes}, at::kByte);
+  return allGatherFlat(sparse::pack(input, b.bytes), out, DataType::UInt8,
+                       static_cast<size_t>(b.bytes), {tensor},
+                       [=] { tensor.copy_(sparse::sum(out, b)); }, call);
 }
 
 template <typename Finish>
@@ -637,6 +658,16 @@ WorkPtr RingEngine::allGatherCoalesced(const std::vector<at::Tensor>& outputs,
   return allGatherFlat(p.input, p.output, dtype, p.input.numel(), outputs, p.unpack, call);
 }
 
+WorkPtr RingEngine::allGatherCoalescedLists(
+    const std::vector<std::vector<at::Tensor>>& outputLists,
+    const std::vector<at::Tensor>& inputs, const CallOptions& call) {
+  const DataType dtype = checks_.coalescedLists(outputLists, inputs, "all_gather_coalesced");
+  const Packed p = packAllGatherLists(outputLists, inputs, size_);
+  std::vector<at::Tensor> outputs;
+  for (const auto& list : outputLists) outputs.insert(outputs.end(), list.begin(), list.end());
+  return allGatherFlat(p.input, p.output, dtype, p.input.numel(), outputs, p.unpack, call);
+}
+
 WorkPtr RingEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                            const std::vector<at::Tensor>& inputs, RedOp op,
                                            const CallOptions& call) {
@@ -673,7 +704,8 @@ WorkPtr RingEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
   messages("recv");
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
-  checks_.peer(src, "recv", "src");
+  static_assert(kAnySource == MessageLink::kAnySource);
+  if (src != kAnySource) checks_.peer(src, "recv", "src");
   checks_.tag(tag, "recv");
   const at::Tensor buf = dense(tensor);
   auto work = p2p_->recv(tensor, buf, src, tag, timeoutOf(call),

@@ -45,6 +45,7 @@ class RingEngine final : public Engine {
   const std::string& registeredRefusal() const { return registeredRefusal_; }
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
+  WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
                           const CallOptions& call) override;
   WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
@@ -75,6 +76,9 @@ class RingEngine final : public Engine {
   WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                              const std::vector<at::Tensor>& inputs,
                              const CallOptions& call) override;
+  WorkPtr allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
+                                  const std::vector<at::Tensor>& inputs,
+                                  const CallOptions& call) override;
   WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                  const std::vector<at::Tensor>& inputs, RedOp op,
                                  const CallOptions& call) override;

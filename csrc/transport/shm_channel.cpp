@@ -97,7 +97,8 @@ std::string ShmMessages::who() const {
 }
 
 std::string ShmMessages::describe(const Op& op) const {
-  return std::string(op.send ? "send to" : "recv from") + " rank " + std::to_string(op.peer) +
+  const std::string peer = op.peer == kAnySource ? "any rank" : "rank " + std::to_string(op.peer);
+  return std::string(op.send ? "send to " : "recv from ") + peer +
       " (tag " + std::to_string(op.tag) + ", " + std::to_string(op.bytes) + " bytes of " +
       toString(op.dtype) + ")";
 }
@@ -194,6 +195,13 @@ uint64_t ShmMessages::postRecv(int peer, int64_t tag, DataType dtype, void* data
   Op& op = ops_[id];
   op = Op{false, peer, tag, dtype, static_cast<char*>(data), bytes};
   op.deadline = deadline;
+  if (peer == kAnySource) {
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) in(p);  // progressIn() reads every channel from now on
+    }
+    if (!takeAsideAny(id)) anyPosted_.push_back(id);
+    return id;
+  }
   In& i = in(peer);
   ++i.pending;
   if (i.failed) {
@@ -205,11 +213,20 @@ uint64_t ShmMessages::postRecv(int peer, int64_t tag, DataType dtype, void* data
   return id;
 }
 
+int ShmMessages::sourceOf(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = ops_.find(id);
+  PYDDP_CHECK(it != ops_.end(), who(), ": no message operation #", id);
+  return it->second.peer;
+}
+
 void ShmMessages::finish(uint64_t id, Op& op, State state, const std::string& why) {
   if (op.state != State::Pending) return;
   op.state = state;
   op.why = why;
-  if (!op.send) {
+  if (!op.send && op.peer == kAnySource) {
+    anyPosted_.erase(std::remove(anyPosted_.begin(), anyPosted_.end(), id), anyPosted_.end());
+  } else if (!op.send) {
     In& i = *ins_[op.peer];
     --i.pending;
     i.posted.erase(std::remove(i.posted.begin(), i.posted.end(), id), i.posted.end());
@@ -248,8 +265,10 @@ void ShmMessages::flushVerdicts(In& in) {
 }
 
 bool ShmMessages::admits(const In& in, const PieceHeader& piece) const {
-  for (uint64_t id : in.posted) {
-    if (ops_.at(id).tag == piece.tag) return true;
+  for (const auto* posted : {&in.posted, &anyPosted_}) {
+    for (uint64_t id : *posted) {
+      if (ops_.at(id).tag == piece.tag) return true;
+    }
   }
   return in.asideBytes + piece.total <= asideBudget_;
 }
@@ -307,18 +326,63 @@ void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
   }
 }
 
+bool ShmMessages::takeAsideAny(uint64_t recvId) {
+  const int64_t tag = ops_.at(recvId).tag;
+  int from = -1;
+  uint64_t first = 0;
+  for (int p = 0; p < size_; ++p) {
+    if (!ins_[p] || ins_[p]->failed) continue;
+    for (const auto& a : ins_[p]->aside) {
+      if (a->claimedBy != 0 || a->tag != tag) continue;
+      if (from < 0 || a->arrival < first) {
+        from = p;
+        first = a->arrival;
+      }
+      break;  // a channel's first with the tag: FIFO per pair and tag
+    }
+  }
+  if (from < 0) return false;
+  In& i = *ins_[from];
+  ops_.at(recvId).peer = from;
+  ++i.pending;
+  takeAside(from, i, recvId);
+  return true;
+}
+
 void ShmMessages::arrive(int peer, In& in, const PieceHeader& piece) {
   in.current = piece.message;
   in.currentOp = 0;
   in.currentAside = nullptr;
   const DataType dtype = static_cast<DataType>(piece.dtype);
+  // The oldest receive that wants it: from this peer or from any source
+  // (ids grow in post order).
+  uint64_t mine = 0, any = 0;
   for (uint64_t id : in.posted) {
-    if (ops_.at(id).tag != piece.tag) continue;
-    in.posted.erase(std::find(in.posted.begin(), in.posted.end(), id));
-    if (judge(in, piece.message, id, dtype, piece.total)) in.currentOp = id;
+    if (ops_.at(id).tag == piece.tag) {
+      mine = id;
+      break;
+    }
+  }
+  for (uint64_t id : anyPosted_) {
+    if (ops_.at(id).tag == piece.tag) {
+      any = id;
+      break;
+    }
+  }
+  if (any != 0 && (mine == 0 || any < mine)) {
+    anyPosted_.erase(std::find(anyPosted_.begin(), anyPosted_.end(), any));
+    ops_.at(any).peer = peer;
+    ++in.pending;
+    if (judge(in, piece.message, any, dtype, piece.total)) in.currentOp = any;
+    return;
+  }
+  if (mine != 0) {
+    in.posted.erase(std::find(in.posted.begin(), in.posted.end(), mine));
+    if (judge(in, piece.message, mine, dtype, piece.total)) in.currentOp = mine;
     return;
   }
   auto a = std::make_unique<Aside>();
+  a->arrival = nextArrival_++;
   a->message = piece.message;
   a->tag = piece.tag;
   a->dtype = dtype;
@@ -389,7 +453,7 @@ bool ShmMessages::progressOut(int peer, Out& o) {
 }
 
 bool ShmMessages::progressIn(int peer, In& in) {
-  if (in.failed || (in.pending == 0 && in.unsent.empty())) return false;
+  if (in.failed || (in.pending == 0 && anyPosted_.empty() && in.unsent.empty())) return false;
   if (!in.header) {
     // A channel that cannot be mapped (its sender unlinked it at teardown,
     // the store failed, or a forged value) fails its receives, not the
@@ -414,7 +478,8 @@ bool ShmMessages::progressIn(int peer, In& in) {
   }
   bool moved = false;
   in.stalled = false;
-  while (in.pending > 0 && h->posted.value.load(std::memory_order_acquire) > in.received) {
+  while ((in.pending > 0 || !anyPosted_.empty()) &&
+         h->posted.value.load(std::memory_order_acquire) > in.received) {
     const char* s = slot(h, in.received);
     const PieceHeader piece = *reinterpret_cast<const PieceHeader*>(s);
     if (piece.message != in.current) {
@@ -498,6 +563,13 @@ void ShmMessages::expire(Clock::time_point now) {
   }
   for (auto& [id, op] : ops_) {
     if (op.state != State::Pending) continue;
+    if (op.peer == kAnySource) {
+      if (now >= op.deadline) {
+        finish(id, op, State::Failed, who() + ": " + describe(op) + " did not complete within "
+               "its timeout: no rank sent a message with its tag");
+      }
+      continue;
+    }
     if (!deadPeers.count(op.peer)) deadPeers[op.peer] = deadPeer_(op.peer);
     const std::string& dead = deadPeers[op.peer];
     const bool late = now >= op.deadline;
@@ -533,7 +605,9 @@ void ShmMessages::expire(Clock::time_point now) {
 void ShmMessages::giveUp(uint64_t id, Op& op, const std::string& why, bool peerDead) {
   // Half a message in the channel leaves it out of step: the peer must
   // learn, and the channel is done.
-  if (op.send) {
+  if (op.peer == kAnySource) {
+    finish(id, op, State::Failed, why);  // nothing moved yet
+  } else if (op.send) {
     Out& o = *outs_[op.peer];
     if (op.message != 0 || peerDead) {
       failOut(op.peer, o, why, true);
@@ -558,7 +632,10 @@ std::string ShmMessages::peerGaveUp(const std::vector<uint64_t>& ids, int* peer)
   std::lock_guard<std::mutex> lock(mu_);
   for (uint64_t id : ids) {
     const auto it = ops_.find(id);
-    if (it == ops_.end() || it->second.state != State::Pending) continue;
+    if (it == ops_.end() || it->second.state != State::Pending ||
+        it->second.peer == kAnySource) {
+      continue;
+    }
     std::string why = gaveUp_(it->second.peer);
     if (why.empty()) continue;
     *peer = it->second.peer;
@@ -703,6 +780,10 @@ void ShmMessages::abort(const std::string& why) {
   for (int peer = 0; peer < size_; ++peer) {
     if (outs_[peer]) failOut(peer, *outs_[peer], why, true);
     if (ins_[peer]) failIn(peer, *ins_[peer], why, true);
+  }
+  while (!anyPosted_.empty()) {
+    const uint64_t id = anyPosted_.front();
+    finish(id, ops_.at(id), State::Failed, why);
   }
 }
 

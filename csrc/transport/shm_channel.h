@@ -32,10 +32,15 @@
 //    k % numSlots once consumed >= k + 1 - numSlots, then stores
 //    posted = k + 1 (release); dst reads piece k once posted >= k + 1
 //    (acquire), then stores consumed = k + 1 (release).
-//  - Matching (dst): a message goes to the oldest posted receive from src
-//    with its tag; a message that no posted receive wants is copied aside
-//    until one is posted. So messages of one tag are received in send
-//    order, and tags in any order. What is aside is bounded per channel
+//  - Matching (dst): a message goes to the oldest posted receive, from src
+//    or from any source, with its tag; a message that no posted receive
+//    wants is copied aside until one is posted. A receive from any source
+//    takes, when posted, the message put aside first (in arrival order
+//    across channels) with its tag. So messages of one tag are received in
+//    send order, and tags in any order. Invariant: no message put aside
+//    and unclaimed has the tag of a receive from any source still waiting.
+//    Such a receive reads every channel to this rank, mapping each once
+//    its sender made it. What is aside is bounded per channel
 //    (asideBudget, PYDDP_P2P_BUFFER_BYTES for the user's lane): a message no
 //    receive wants that would exceed it stays in the slots, unread, until a
 //    receive for it is posted or what is aside shrinks. Its sender waits;
@@ -156,6 +161,7 @@ class ShmMessages final : public MessageLink {
                     Clock::time_point deadline) override;
   uint64_t postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
                     Clock::time_point deadline) override;
+  int sourceOf(uint64_t id) override;
   bool progress() override;
   State poll(uint64_t id, std::string* why) override;
   void release(uint64_t id) override;
@@ -184,6 +190,7 @@ class ShmMessages final : public MessageLink {
   };
   // A message that arrived before a receive wanted it.
   struct Aside {
+    uint64_t arrival;  // order of arrival across channels
     uint64_t message;
     int64_t tag;
     DataType dtype;
@@ -243,13 +250,17 @@ class ShmMessages final : public MessageLink {
   void arrive(int peer, In& in, const PieceHeader& piece);
   // `recv` takes the oldest message put aside with its tag, if any.
   void takeAside(int peer, In& in, uint64_t recv);
+  // A receive from any source takes the message put aside first, across
+  // channels, with its tag; returns whether there was one.
+  bool takeAsideAny(uint64_t recv);
   // Refuses or accepts message m for receive `recvId`; returns whether
   // accepted.
   bool judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total);
   // Writes what of in.unsent the verdict queue has room for.
   void flushVerdicts(In& in);
   // Whether the unexpected message `piece` starts may be read now: a
-  // posted receive wants it, or it fits the aside budget.
+  // posted receive (from its sender or from any source) wants it, or it
+  // fits the aside budget.
   bool admits(const In& in, const PieceHeader& piece) const;
   void dropAside(In& in, std::deque<std::unique_ptr<Aside>>::iterator it);
   // What the sends of `out` learn from the verdict queue.
@@ -294,6 +305,10 @@ class ShmMessages final : public MessageLink {
   std::unordered_map<uint64_t, Op> ops_;
   std::vector<std::unique_ptr<Out>> outs_;  // by peer, made on first use
   std::vector<std::unique_ptr<In>> ins_;
+  // Receives from any source not matched yet, in post order (their Op's
+  // peer is kAnySource until matched).
+  std::deque<uint64_t> anyPosted_;
+  uint64_t nextArrival_ = 1;
   Clock::time_point nextExpiry_{};
   bool closed_ = false;
 };

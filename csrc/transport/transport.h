@@ -131,6 +131,10 @@ class Directory {
 // taken it; a receive that wants another size or dtype fails, and so does
 // the send.
 //
+// A receive from kAnySource takes the first message with its tag from any
+// rank; it and the receives from one rank take that rank's messages in the
+// order they were posted, so FIFO per pair and tag holds.
+//
 // Verbs do not wait: post*() queues an operation, progress() moves what
 // can move now. Whoever waits drives progress: the engine's progress
 // thread, or a thread in wait(). Every method is thread-safe. Operations
@@ -144,8 +148,12 @@ class MessageLink {
   // operation finished. Operations past `deadline` fail, naming the peer.
   virtual uint64_t postSend(int peer, int64_t tag, DataType dtype, const void* data,
                             size_t bytes, Clock::time_point deadline) = 0;
+  static constexpr int kAnySource = -1;
+  // `peer` is a rank, or kAnySource.
   virtual uint64_t postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
                             Clock::time_point deadline) = 0;
+  // The rank a receive took its message from; -1 while it has none.
+  virtual int sourceOf(uint64_t id) = 0;
   // Moves what can move now; returns whether anything did (waiters back
   // off when nothing does).
   virtual bool progress() = 0;

@@ -1,10 +1,11 @@
 """Runs PyTorch's own distributed test suite against pyddp, with gloo as the baseline.
 
-    python tests/torch_suite/run.py                 # both backends, the list of selection.py
+    python tests/torch_suite/run.py                 # the whole class, both backends
     python tests/torch_suite/run.py -k object       # tests whose name contains "object"
-    python tests/torch_suite/run.py --backends pyddp --json out.json
+    python tests/torch_suite/run.py --json out.json
 
-Like torch's ``test/distributed/test_distributed_spawn.py``, it runs the tests of
+Like torch's ``test/distributed/test_distributed_spawn.py``
+(``TestDistBackendWithSpawn``), it runs every test of
 ``DistributedTest._DistTestBase`` (``torch/testing/_internal/distributed/
 distributed_test.py``) through a ``MultiProcessTestCase`` subclass, one
 process per rank, the backend named by the ``BACKEND`` variable and a file://
@@ -17,26 +18,33 @@ once, instead of spawned as in torch's driver: spawning re-imports them in
 every rank of every test, about 10 s a test on a 2-core machine, against
 well under 1 s forked.
 
-What is expected of each test is in ``selection.py``: a test needing an
-operation pyddp does not implement yet must fail with pyddp's refusal of
-it; a known failure must fail with its known message; every other test must
-pass on both backends (or be skipped by torch, with torch's reason). Exits 1
-when anything else happens: a failure, or a pass that ``selection.py`` does
-not expect.
+Two reports:
+
+1. The class as torch gates it: every test that passes with gloo must pass
+   with pyddp, unless ``selection.DIFFERENCES`` lists it with pyddp's outcome
+   and the reason (a skip by torch's check of the backend's name, a failure
+   torch's Python or the test's body makes for every backend but gloo).
+2. The tests that pass with gloo and that torch skips for pyddp, run again on
+   pyddp with torch's skips lifted: each must pass, unless
+   ``selection.LIFTED_FAILURES`` says why it fails.
+
+Exits 1 when anything else happens, or when a listed difference no longer
+happens (so that the lists stay true).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -45,23 +53,36 @@ sys.path.append(os.path.dirname(os.path.dirname(HERE)))
 
 import selection  # noqa: E402
 
-BACKENDS = ("pyddp", "gloo")
+BACKENDS = ("gloo", "pyddp")
 TEST_TIMEOUT_S = 60
 """Bounds each test (torch's MultiProcessTestCase kills its ranks after this)."""
-CHILD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = 1200
 """Bounds one backend's whole run."""
 
 
-def all_tests() -> Dict[str, Optional[str]]:
-    """Every selected test and the operation of NOT_IMPLEMENTED_YET it needs (or None)."""
-    return {test: need for group in selection.TESTS.values() for test, need in group.items()}
+def suite_source() -> str:
+    """torch's distributed_test.py, located, not imported (importing it needs BACKEND)."""
+    spec = importlib.util.find_spec("torch.testing._internal.distributed.distributed_test")
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
+def suite_tests(source: str) -> Dict[str, ast.FunctionDef]:
+    """Every test of DistributedTest._DistTestBase, in the file's order, with its definition."""
+    tree = ast.parse(source)
+    outer = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                 and n.name == "DistributedTest")
+    base = next(n for n in outer.body if isinstance(n, ast.ClassDef) and n.name == "_DistTestBase")
+    return {n.name: n for n in base.body
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
 
 
 # --- the child: one backend ---------------------------------------------------------------
 
 
-def run_child(backend: str, names: List[str], out_path: str) -> None:
-    """Runs ``names`` on ``backend``; writes {test: {"outcome", "detail", "seconds"}}."""
+def run_child(backend: str, names: List[str], out_path: str, lift: bool) -> None:
+    """Runs ``names`` on ``backend`` (with their skips lifted when ``lift``); writes
+    {test: {"outcome", "detail", "seconds"}}."""
     import unittest
 
     import torch
@@ -82,13 +103,12 @@ def run_child(backend: str, names: List[str], out_path: str) -> None:
             super().setUp()
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
-    for name in names:
-        fn = getattr(TorchSuite, name)
-        why = getattr(fn, "__unittest_skip_why__", "")
-        gate = selection.LIFTED_GATES.get(name)
-        if getattr(fn, "__unittest_skip__", False) and gate and why.startswith(gate):
-            del fn.__unittest_skip__
-            del fn.__unittest_skip_why__
+    if lift:
+        for name in names:
+            fn = getattr(TorchSuite, name)
+            if getattr(fn, "__unittest_skip__", False):
+                del fn.__unittest_skip__
+                del fn.__unittest_skip_why__
 
     results: Dict[str, dict] = {}
 
@@ -128,35 +148,41 @@ def run_child(backend: str, names: List[str], out_path: str) -> None:
 # --- the parent: classify and report --------------------------------------------------------
 
 
-def classify(backend: str, test: str, result: dict) -> tuple:
-    """(verdict, note): verdict is "passed", "expected failure", "skipped" or "FAILED"."""
-    outcome, detail = result["outcome"], result["detail"]
-    if outcome == "skipped":
-        return "skipped", detail
-    if backend != "pyddp":
-        return ("passed", "") if outcome == "passed" else ("FAILED", detail)
-    need = all_tests()[test]
-    pending = need if need in selection.NOT_IMPLEMENTED_YET else None
-    known = selection.KNOWN_FAILURES.get(test)
-    if outcome == "passed":
-        if pending:
-            return "FAILED", (f"passes although {pending!r} is in NOT_IMPLEMENTED_YET: delete its "
-                              "line in tests/torch_suite/selection.py")
-        if known:
-            return "FAILED", ("passes although it is in KNOWN_FAILURES: delete it there in "
+def classify(test: str, gloo: dict, pyddp: dict) -> Tuple[str, str]:
+    """pyddp's verdict on ``test`` beside gloo's outcome: (verdict, note), the verdict one of
+    "passed", "as gloo" (neither passed: both skipped or failed as torch gates or fails them
+    here), "expected difference" or "FAILED"."""
+    listed = selection.DIFFERENCES.get(test)
+    if pyddp["outcome"] == "passed":
+        if listed:
+            return "FAILED", ("passes although it is in DIFFERENCES: delete it there in "
                               "tests/torch_suite/selection.py")
         return "passed", ""
-    if pending:
-        refused = "|".join(map(re.escape, selection.NOT_IMPLEMENTED_YET[pending]))
-        if re.search(rf"\(c10d's ({refused})\)", detail):
-            return "expected failure", f"not implemented yet: {pending}"
-        return "FAILED", f"needs {pending}, but failed otherwise:\n{detail}"
-    if known and known[1] in detail:
-        return "expected failure", known[0]
-    return "FAILED", detail
+    if gloo["outcome"] != "passed":
+        return "as gloo", f"gloo {gloo['outcome']} too"
+    if listed:
+        outcome, reason, text = listed
+        if pyddp["outcome"] == outcome and text in pyddp["detail"]:
+            return "expected difference", reason
+        return "FAILED", (f"listed in DIFFERENCES as {outcome} ({text!r}), but "
+                          f"{pyddp['outcome']}:\n{pyddp['detail']}")
+    return "FAILED", f"passes with gloo, {pyddp['outcome']} with pyddp:\n{pyddp['detail']}"
 
 
-def run_backend(backend: str, names: List[str]) -> Dict[str, dict]:
+def classify_lifted(test: str, result: dict) -> Tuple[str, str]:
+    """pyddp's verdict on a test torch skips for pyddp by name, run with the skips lifted."""
+    listed = selection.LIFTED_FAILURES.get(test)
+    if result["outcome"] == "passed":
+        if listed:
+            return "FAILED", ("passes although it is in LIFTED_FAILURES: delete it there in "
+                              "tests/torch_suite/selection.py")
+        return "passed", ""
+    if listed and result["outcome"] == "failed" and listed[1] in result["detail"]:
+        return "expected failure", listed[0]
+    return "FAILED", f"{result['outcome']}:\n{result['detail']}"
+
+
+def run_backend(backend: str, names: List[str], lift: bool = False) -> Dict[str, dict]:
     """Runs the child for ``backend``; its results by test, or raises with its output."""
     with tempfile.TemporaryDirectory(prefix="pyddp-torch-suite-") as tmp:
         out = os.path.join(tmp, "results.json")
@@ -170,7 +196,8 @@ def run_backend(backend: str, names: List[str]) -> Dict[str, dict]:
             # A session of its own, so that a run past its time is ended with
             # every rank it forked.
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
-                                     backend, "--out", out, *names], env=env, stdout=log,
+                                     backend, "--out", out, *(["--lift"] if lift else []),
+                                     *names], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=CHILD_TIMEOUT_S)
@@ -185,54 +212,79 @@ def run_backend(backend: str, names: List[str]) -> Dict[str, dict]:
             return json.load(f)
 
 
+def _result(results: Dict[str, dict], test: str) -> dict:
+    return results.get(test, {"outcome": "failed", "detail": "no result", "seconds": 0})
+
+
+def _print_verdicts(title: str, verdicts: Dict[str, Tuple[str, str]]) -> bool:
+    """Prints every verdict but a pass; returns whether one FAILED."""
+    print(f"\n=== {title} ===")
+    counts: Dict[str, int] = {}
+    failed = False
+    for test, (verdict, note) in verdicts.items():
+        counts[verdict] = counts.get(verdict, 0) + 1
+        if verdict in ("passed", "as gloo"):
+            continue
+        first = note.strip().splitlines()[0] if note.strip() else ""
+        print(f"  {verdict:20s} {test}: {first}")
+        if verdict == "FAILED":
+            failed = True
+            print("    " + note.strip().replace("\n", "\n    ")[-4000:])
+    print(", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
+    return failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-k", dest="pattern", default="",
                         help="only the tests whose name contains this")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--json", help="write every result to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--lift", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        run_child(args.child, args.names, args.out)
+        run_child(args.child, args.names, args.out, args.lift)
         return 0
 
-    names = [t for t in all_tests() if args.pattern in t]
-    backends = args.backends.split(",")
+    names = [t for t in suite_tests(suite_source()) if args.pattern in t]
     report: Dict[str, Dict[str, dict]] = {}
-    failed = False
-    for backend in backends:
+    for backend in BACKENDS:
         start = time.monotonic()
-        results = run_backend(backend, names)
+        report[backend] = run_backend(backend, names)
         seconds = time.monotonic() - start
-        report[backend] = {}
-        counts = {"passed": 0, "FAILED": 0, "skipped": 0, "expected failure": 0}
-        print(f"\n=== {backend}: {len(names)} tests of torch's distributed suite, "
-              f"{selection.WORLD_SIZE} ranks ({seconds:.0f} s) ===")
+        outcomes: Dict[str, int] = {}
         for test in names:
-            result = results.get(test, {"outcome": "failed", "detail": "no result", "seconds": 0})
-            verdict, note = classify(backend, test, result)
-            counts[verdict] += 1
-            report[backend][test] = dict(result, verdict=verdict, note=note)
-            if verdict != "passed":
-                first = note.strip().splitlines()[0] if note.strip() else ""
-                print(f"  {verdict:16s} {test}: {first}")
-            if verdict == "FAILED":
-                failed = True
-                print("    " + note.strip().replace("\n", "\n    ")[-4000:])
-        print(f"{backend}: {counts['passed']} passed, {counts['FAILED']} failed, "
-              f"{counts['skipped']} skipped, {counts['expected failure']} expected failures")
+            outcome = _result(report[backend], test)["outcome"]
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        print(f"{backend}: {len(names)} tests of torch's distributed suite, "
+              f"{selection.WORLD_SIZE} ranks, {seconds:.0f} s: "
+              + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+    verdicts = {t: classify(t, _result(report["gloo"], t), _result(report["pyddp"], t))
+                for t in names}
+    failed = _print_verdicts("pyddp beside gloo (torch's gates as they are)", verdicts)
+    gated = [t for t in names if _result(report["gloo"], t)["outcome"] == "passed"
+             and _result(report["pyddp"], t)["outcome"] == "skipped"]
+    if gated:
+        start = time.monotonic()
+        report["pyddp, gates lifted"] = run_backend("pyddp", gated, lift=True)
+        lifted = {t: classify_lifted(t, _result(report["pyddp, gates lifted"], t))
+                  for t in gated}
+        failed |= _print_verdicts(f"pyddp with torch's gates lifted: the {len(gated)} tests "
+                                  f"gloo passes and torch skips for pyddp "
+                                  f"({time.monotonic() - start:.0f} s)", lifted)
+    # A listed difference that no longer happens must leave the list.
+    stale = sorted([t for t in selection.DIFFERENCES if t in names
+                    and verdicts[t][0] == "as gloo"] +
+                   [t for t in selection.LIFTED_FAILURES if t in names and t not in gated])
+    if stale:
+        failed = True
+        print(f"\nlisted in selection.py, but gloo does not pass them or torch no longer "
+              f"skips them for pyddp: {', '.join(stale)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    if len(backends) > 1:
-        base, *others = backends
-        for other in others:
-            lost = [t for t in names if report[other][t]["verdict"] == "passed"
-                    and report[base][t]["verdict"] != "passed"]
-            print(f"{other} passes, {base} does not: {', '.join(lost) or 'none'}")
     return 1 if failed else 0
 
 
