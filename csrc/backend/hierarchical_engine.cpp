@@ -683,12 +683,16 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
                                      const CallOptions& call) {
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
-  if (src != kAnySource) checks_.peer(src, "recv", "src");
+  // gloo's recvAnysource, composed here, left the receive and its senders
+  // waiting (2 and 3 hosts); until that is understood, refused.
+  PYDDP_CHECK_VALUE(src != kAnySource, "rank ", rank_, ": recv without a source rank "
+                    "(src=None) is not supported yet by a group that spans hosts: name the "
+                    "rank the message comes from");
+  checks_.peer(src, "recv", "src");
   PYDDP_CHECK_VALUE(tensor.is_contiguous(), "rank ", rank_, ": recv: across hosts the tensor "
                     "must be contiguous");
   std::vector<at::Tensor> v{tensor};
-  auto work = src == kAnySource ? flat_->recvAnysource(v, static_cast<int>(tag))
-                                : flat_->recv(v, src, static_cast<int>(tag));
+  auto work = flat_->recv(v, src, static_cast<int>(tag));
   if (!call.asyncOp) work->wait();
   return work;
 }
