@@ -9,8 +9,8 @@ every rank's tensor; twice in a row, synchronous and async. Refusals: ops
 other than SUM (as gloo), tensors whose sizes differ between ranks (every
 rank fails alike and the group still works). DDP: a model with
 EmbeddingBag(sparse=True) trained by pyddp's DDP (on pyddp's group, with and
-without a comm hook, and on torch.distributed's "pyddp" group) and by torch's DDP over "pyddp", against
-torch's DDP over gloo.
+without a comm hook, and on torch.distributed's "pyddp" group) and by torch's
+DDP over "pyddp", against torch's DDP over gloo.
 """
 
 from __future__ import annotations
