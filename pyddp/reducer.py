@@ -11,10 +11,10 @@ backward is:
    finishes, and marks the unreachable parameters ready.
 3. Each hook puts its gradient in the bucket (a sparse gradient, which has a
    bucket of its own, is divided by the world size and all-reduced with SUM,
-   as torch's DDP does, and becomes the parameter's gradient): a copy into the bucket's flat
-   buffer (or nothing, with ``gradient_as_bucket_view``, where the gradient
-   already is a view into it), or, for a large gradient without a comm hook,
-   the gradient itself, all-reduced in place. When a bucket's last parameter
+   as torch's DDP does, and becomes the parameter's gradient): a copy into
+   the bucket's flat buffer (or nothing, with ``gradient_as_bucket_view``,
+   where the gradient already is a view into it), or, for a large gradient
+   without a comm hook, the gradient itself, all-reduced in place. When a bucket's last parameter
    is ready, every ready bucket from ``_next_bucket`` on is launched, so every
    rank issues the same all-reduces in the same order, whatever order its
    gradients arrive in.

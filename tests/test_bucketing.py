@@ -78,12 +78,13 @@ def test_defaults_are_torchs():
     assert DEFAULT_CAP_BYTES == 25 * 1024 * 1024
 
 
-def _torch_reference(numels, dtypes, cap, first_cap):
+def _torch_reference(numels, dtypes, cap, first_cap, sparse=()):
     """torch's assignment of the reversed tensor list, mapped back to registration indices."""
     n = len(numels)
     reversed_tensors = [torch.empty(numels[i], dtype=dtypes[i]) for i in reversed(range(n))]
     limits = [first_cap, cap] if first_cap != cap else [cap]
-    positions, _ = dist._compute_bucket_assignment_by_size(reversed_tensors, limits)
+    positions, _ = dist._compute_bucket_assignment_by_size(
+        reversed_tensors, limits, [sparse[i] for i in reversed(range(n))] if sparse else [])
     return [[n - 1 - p for p in bucket] for bucket in positions]
 
 
@@ -98,3 +99,17 @@ def test_matches_torch_on_random_models(seed):
     first_cap = rng.choice([cap, max(1, cap // 8)])
     buckets = _assign(numels, dtypes, cap, first_cap)
     assert _indices(buckets) == _torch_reference(numels, dtypes, cap, first_cap)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sparse_gradients_have_buckets_of_their_own_as_in_torch(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 30)
+    numels = [rng.choice([1, 7, 64, 1000, 4096]) for _ in range(n)]
+    dtypes = [rng.choice([F32, F64]) for _ in range(n)]
+    sparse = [rng.random() < 0.3 for _ in range(n)]
+    cap = rng.choice([4, 1000, 50_000])
+    buckets = assign_buckets(numels, [d.itemsize for d in dtypes], dtypes, cap, cap, sparse)
+    for bucket in buckets:
+        assert len(bucket) == 1 or not any(sparse[i] for i in bucket), (bucket, sparse)
+    assert _indices(buckets) == _torch_reference(numels, dtypes, cap, cap, sparse)

@@ -96,8 +96,17 @@ def test_rooted_all_to_all_coalesced_and_point_to_point(hosts):
     hosts.run(p2p._ring_exchanges, GROUP)
 
 
-def test_sparse_all_reduce(hosts):
+def _any_source_refused(ctx: RankContext) -> None:
+    pg = ctx.groups[GROUP]
+    with pytest.raises(ValueError, match="recv without a source rank .* not supported yet by a "
+                                         "group that spans hosts"):
+        pg.recv(torch.zeros(1))
+    pg.barrier()  # the group still works
+
+
+def test_sparse_all_reduce_and_no_receive_from_any_source(hosts):
     hosts.run(sparse._sparse_cases, GROUP)
+    hosts.run(_any_source_refused)
 
 
 def _mismatch(ctx: RankContext) -> str:

@@ -8,9 +8,9 @@ values) against gloo's on the same inputs and against a one-process sum of
 every rank's tensor; twice in a row, synchronous and async. Refusals: ops
 other than SUM (as gloo), tensors whose sizes differ between ranks (every
 rank fails alike and the group still works). DDP: a model with
-EmbeddingBag(sparse=True) trained by pyddp's DDP (on pyddp's group and on
-torch.distributed's "pyddp" group) and by torch's DDP over "pyddp", against
-torch's DDP over gloo.
+EmbeddingBag(sparse=True) trained by pyddp's DDP (on pyddp's group, with and
+without a comm hook, and on torch.distributed's "pyddp" group) and by torch's
+DDP over "pyddp", against torch's DDP over gloo.
 """
 
 from __future__ import annotations
@@ -169,6 +169,15 @@ def _train_sparse(ctx: RankContext, how: str) -> dict:
     model = Bags()
     if how == "pyddp":
         wrapped = pyddp.DistributedDataParallel(model, process_group=ctx.groups["pyddp"])
+    elif how == "pyddp-with-a-comm-hook":
+        group = ctx.groups["pyddp"]
+        wrapped = pyddp.DistributedDataParallel(model, process_group=group)
+
+        def average(state, bucket):
+            # A sparse bucket's buffer is the parameter's gradient itself, undivided.
+            work = group.all_reduce(bucket.buffer().div_(ctx.world_size), async_op=True)
+            return work.get_future()
+        wrapped.register_comm_hook(None, average)
     elif how == "pyddp-ddp-over-torch":
         wrapped = pyddp.DistributedDataParallel(model, process_group=dist.group.WORLD)
     elif how == "torch-ddp-over-pyddp":
@@ -192,7 +201,8 @@ def _train_sparse(ctx: RankContext, how: str) -> dict:
 
 def _ddp(ctx: RankContext) -> None:
     reference = _train_sparse(ctx, "torch-ddp-over-gloo")
-    for how in ("pyddp", "pyddp-ddp-over-torch", "torch-ddp-over-pyddp"):
+    for how in ("pyddp", "pyddp-with-a-comm-hook", "pyddp-ddp-over-torch",
+                "torch-ddp-over-pyddp"):
         got = _train_sparse(ctx, how)
         torch.testing.assert_close(got["grad"], reference["grad"], rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"{how}: first embedding gradient: {m}")

@@ -31,8 +31,8 @@ std::string describe(const int64_t* h) {
 at::Tensor coalescedInput(const at::Tensor& tensor, RedOp op, int rank, c10::Device device,
                           const char* call) {
   PYDDP_CHECK_TYPE(tensor.layout() == at::kSparse, "rank ", rank, ": ", call, ": tensor has "
-                   "layout ", tensor.layout(), "; of the sparse layouts only COO (torch.sparse_coo) "
-                   "is supported");
+                   "layout ", tensor.layout(), "; of the sparse layouts only COO "
+                   "(torch.sparse_coo) is supported");
   PYDDP_CHECK_TYPE(tensor.device() == device, "rank ", rank, ": ", call, ": tensor is on ",
                    tensor.device(), "; this group serves ", device, " tensors");
   PYDDP_CHECK_TYPE(dataTypeOf(tensor.scalar_type()).has_value(), "rank ", rank, ": ", call,
