@@ -157,10 +157,11 @@ def _refusals(ctx: RankContext) -> None:
     """Calls that reach a c10d entry point pyddp does not serve, on a "pyddp" group."""
     group, n = ctx.state["pyddp"], ctx.world_size
 
+    # torch's Python refuses monitored_barrier for every backend but gloo; the group's own
+    # method reaches c10d.
     cases = [
-        (lambda: dist.all_gather_coalesced([[torch.empty(2) for _ in range(n)]],
-                                           [torch.ones(2)], group=group),
-         "torch.distributed.all_gather_coalesced (c10d's allgather_coalesced)"),
+        (lambda: group.monitored_barrier(datetime.timedelta(seconds=30)),
+         "torch.distributed.monitored_barrier (c10d's monitoredBarrier)"),
     ]
     for call, described in cases:
         with pytest.raises(NotImplementedError) as error:
