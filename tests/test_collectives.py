@@ -97,7 +97,8 @@ def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
 
 def _bitwise_cases(ctx: RankContext, group: str) -> None:
     """BAND, BOR and BXOR on every integer type (CPU tensors only), with
-    all_reduce, reduce_scatter_single and reduce (its root varies with the size)."""
+    all_reduce, reduce_scatter_single, reduce (its root varies with the size)
+    and the coalesced all-reduce and reduce-scatter."""
     pg, n = ctx.groups[group], ctx.world_size
     for dtype in INT_DTYPES:
         for op in BITWISE_OPS:
@@ -118,6 +119,19 @@ def _bitwise_cases(ctx: RankContext, group: str) -> None:
                 pg.reduce_scatter_single(out, whole[ctx.rank], op)
                 block = reference_reduce(whole, op)[ctx.rank * count:(ctx.rank + 1) * count]
                 check_equal(out, block, f"reduce_scatter {what}")
+            # The coalesced forms: one collective over the packed tensors.
+            parts = [[make_input(r, count, dtype, op, salt=2) for r in range(n)]
+                     for count in (n, 333 * n)]
+            mine = [p[ctx.rank].clone() for p in parts]
+            pg.all_reduce_coalesced(mine, op)
+            for t, p in zip(mine, parts):
+                check_equal(t, reference_reduce(p, op), f"all_reduce_coalesced {dtype} {op}")
+            outs = [torch.zeros(len(p[0]) // n, dtype=dtype) for p in parts]
+            pg.reduce_scatter_tensor_coalesced(outs, [p[ctx.rank] for p in parts], op)
+            for out, p in zip(outs, parts):
+                k = len(out)
+                check_equal(out, reference_reduce(p, op)[ctx.rank * k:(ctx.rank + 1) * k],
+                            f"reduce_scatter_tensor_coalesced {dtype} {op}")
 
 
 def _bitwise_ops_refuse_floating_tensors(ctx: RankContext) -> None:
