@@ -287,7 +287,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("AVG", RedOp::Avg)
       .value("PRODUCT", RedOp::Product)
       .value("MIN", RedOp::Min)
-      .value("MAX", RedOp::Max);
+      .value("MAX", RedOp::Max)
+      .value("BAND", RedOp::BitAnd)
+      .value("BOR", RedOp::BitOr)
+      .value("BXOR", RedOp::BitXor);
 
   py::enum_<Algo>(m, "Algo",
                   "How an all-reduce runs: by size (AUTO), or forced; RING and DIRECT "

@@ -17,6 +17,9 @@ class RedOp:
     PRODUCT: "RedOp"
     MIN: "RedOp"
     MAX: "RedOp"
+    BAND: "RedOp"
+    BOR: "RedOp"
+    BXOR: "RedOp"
 
 class Algo:
     AUTO: "Algo"

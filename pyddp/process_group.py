@@ -36,6 +36,9 @@ _SUPPORTED_OPS = {
     ReduceOp.PRODUCT: _C.RedOp.PRODUCT,
     ReduceOp.MIN: _C.RedOp.MIN,
     ReduceOp.MAX: _C.RedOp.MAX,
+    ReduceOp.BAND: _C.RedOp.BAND,
+    ReduceOp.BOR: _C.RedOp.BOR,
+    ReduceOp.BXOR: _C.RedOp.BXOR,
 }
 # The same, keyed by the identity of ReduceOp's members (ReduceOp.SUM is one
 # object for the life of the process): hashing a member calls a Python-level
@@ -289,11 +292,12 @@ class ProcessGroup:
             key = op.op
         else:
             raise TypeError(f"pyddp: rank {self._rank}: {call}: op must be a ReduceOp "
-                            f"(ReduceOp.SUM, AVG, PRODUCT, MIN or MAX), got {op!r}")
+                            f"(ReduceOp.SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR), "
+                            f"got {op!r}")
         if key not in _SUPPORTED_OPS:
             raise TypeError(
                 f"pyddp: rank {self._rank}: {call}: {op} is not supported; "
-                "use ReduceOp.SUM, AVG, PRODUCT, MIN or MAX"
+                "use ReduceOp.SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR"
             )
         return _SUPPORTED_OPS[key]
 

@@ -3,7 +3,8 @@
 Every rank can rebuild every rank's input (seeded by rank and case), so each
 rank checks its own result against a reference computed with plain torch
 ops over all ranks' inputs. Inputs are small integers so every result is
-exact, whatever the reduction order.
+exact, whatever the reduction order; for the bitwise ops, random bytes, so
+every bit of every integer type takes part.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import zlib
 from typing import List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,13 +25,19 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 HALF = (torch.float16, torch.bfloat16)
+INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
+# CPU tensors only (NCCL has none); integer types only.
+BITWISE_OPS = [ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+_NUMPY_BITWISE = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+                  ReduceOp.BXOR: np.bitwise_xor}
 
 # At least 4 MiB of float32, and not divisible by any world size tested.
 LARGE = 4 * 1024 * 1024 // 4 + 3
 
 
 def dtype_op_pairs():
-    """Every dtype x op that pyddp supports (AVG is for floating types only)."""
+    """Every dtype x op that pyddp supports on every device (AVG is for floating
+    types only); BITWISE_OPS are for integers on CPU tensors."""
     return [(d, op) for d in DTYPES for op in OPS
             if op != ReduceOp.AVG or d.is_floating_point]
 
@@ -39,6 +47,9 @@ def make_input(rank: int, count: int, dtype: torch.dtype, op=ReduceOp.SUM, salt:
     # zlib.crc32, not hash(): str hashes differ between processes.
     seed = zlib.crc32(repr((rank, count, str(dtype), str(op), salt)).encode())
     gen = torch.Generator().manual_seed(seed)
+    if op in BITWISE_OPS:
+        raw = torch.randint(0, 256, (count * dtype.itemsize,), generator=gen, dtype=torch.uint8)
+        return raw.view(dtype)
     if op == ReduceOp.PRODUCT:
         # |product| <= 2**4 over 4 ranks: exact in every dtype, no wrap.
         choices = torch.tensor([1, 2] if dtype == torch.uint8 else [-2, -1, 1, 2])
@@ -51,6 +62,8 @@ def make_input(rank: int, count: int, dtype: torch.dtype, op=ReduceOp.SUM, salt:
 
 def reference_reduce(inputs: List[torch.Tensor], op) -> torch.Tensor:
     dtype = inputs[0].dtype
+    if op in BITWISE_OPS:
+        return torch.from_numpy(_NUMPY_BITWISE[op].reduce(np.stack([t.numpy() for t in inputs])))
     stack = torch.stack([t.to(torch.float64) for t in inputs])
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         out = stack.sum(0)

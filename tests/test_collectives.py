@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import pyddp
-from collective_cases import (DTYPES, LARGE, ReduceOp, check_equal, digest, dtype_op_pairs,
-                              make_input, reference_reduce)
+from collective_cases import (BITWISE_OPS, DTYPES, INT_DTYPES, LARGE, ReduceOp, check_equal,
+                              digest, dtype_op_pairs, make_input, reference_reduce)
 from harness import RankContext, Ranks
 
 # 1001: uneven blocks for every world size, many pieces in the ring and direct groups.
@@ -93,6 +93,65 @@ def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
                 out = torch.full((count,), 7, dtype=dtype, device=dev)
                 pg.reduce_scatter_single(out, inputs[ctx.rank].to(dev, copy=True), op)
                 check_equal(out.cpu(), expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
+
+
+def _bitwise_cases(ctx: RankContext, group: str) -> None:
+    """BAND, BOR and BXOR on every integer type (CPU tensors only), with
+    all_reduce, reduce_scatter_single, reduce (its root varies with the size)
+    and the coalesced all-reduce and reduce-scatter."""
+    pg, n = ctx.groups[group], ctx.world_size
+    for dtype in INT_DTYPES:
+        for op in BITWISE_OPS:
+            for count in SMALL_COUNTS:
+                what = f"{dtype} {op} count={count}"
+                inputs = [make_input(r, count, dtype, op) for r in range(n)]
+                expected = reference_reduce(inputs, op)
+                t = inputs[ctx.rank].clone()
+                pg.all_reduce(t, op)
+                check_equal(t, expected, f"all_reduce {what}")
+                root = count % n
+                t = inputs[ctx.rank].clone()
+                pg.reduce(t, root, op)
+                check_equal(t, expected if ctx.rank == root else inputs[ctx.rank],
+                            f"reduce {what} root={root}")
+                whole = [make_input(r, count * n, dtype, op, salt=1) for r in range(n)]
+                out = torch.zeros(count, dtype=dtype)
+                pg.reduce_scatter_single(out, whole[ctx.rank], op)
+                block = reference_reduce(whole, op)[ctx.rank * count:(ctx.rank + 1) * count]
+                check_equal(out, block, f"reduce_scatter {what}")
+            # The coalesced forms: one collective over the packed tensors.
+            parts = [[make_input(r, count, dtype, op, salt=2) for r in range(n)]
+                     for count in (n, 333 * n)]
+            mine = [p[ctx.rank].clone() for p in parts]
+            pg.all_reduce_coalesced(mine, op)
+            for t, p in zip(mine, parts):
+                check_equal(t, reference_reduce(p, op), f"all_reduce_coalesced {dtype} {op}")
+            outs = [torch.zeros(len(p[0]) // n, dtype=dtype) for p in parts]
+            pg.reduce_scatter_tensor_coalesced(outs, [p[ctx.rank] for p in parts], op)
+            for out, p in zip(outs, parts):
+                k = len(out)
+                check_equal(out, reference_reduce(p, op)[ctx.rank * k:(ctx.rank + 1) * k],
+                            f"reduce_scatter_tensor_coalesced {dtype} {op}")
+
+
+def _bitwise_ops_refuse_floating_tensors(ctx: RankContext) -> None:
+    pg, n = ctx.groups["auto"], ctx.world_size
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for op in BITWISE_OPS:
+            name = str(op).rsplit(".", 1)[-1]
+            needs = (f"rank {ctx.rank}: %s: ReduceOp.{name} needs an integer tensor .*, "
+                     f"got {str(dtype).removeprefix('torch.')}")
+            with pytest.raises(TypeError, match=needs % "all_reduce"):
+                pg.all_reduce(torch.ones(3, dtype=dtype), op)
+            with pytest.raises(TypeError, match=needs % "reduce"):
+                pg.reduce(torch.ones(3, dtype=dtype), 0, op)
+            with pytest.raises(TypeError, match=needs % "reduce_scatter_single"):
+                pg.reduce_scatter_single(torch.ones(3, dtype=dtype),
+                                         torch.ones(3 * n, dtype=dtype), op)
+    # Refused before anything was queued: the group still reduces.
+    t = torch.ones(2, dtype=torch.int32) << ctx.rank
+    pg.all_reduce(t, ReduceOp.BOR)
+    check_equal(t, torch.full((2,), (1 << n) - 1, dtype=torch.int32), "all_reduce after refusals")
 
 
 def _all_gather_cases(ctx: RankContext, group: str) -> None:
@@ -342,6 +401,15 @@ def test_all_reduce_every_dtype_and_op(ranks, group):
 @pytest.mark.parametrize("group", ["auto", "ring"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     ranks.run(_reduce_scatter_cases, group)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_bitwise_ops_on_every_integer_type(ranks, group):
+    ranks.run(_bitwise_cases, group)
+
+
+def test_bitwise_ops_refuse_floating_tensors(ranks):
+    ranks.run(_bitwise_ops_refuse_floating_tensors)
 
 
 @pytest.mark.parametrize("group", ["auto", "ring"])

@@ -1,8 +1,8 @@
 """The CPU reduction kernels (csrc/kernels) against torch references, without processes.
 
 Covers every dtype x op, odd lengths and the reduce-N tile boundary, AVG's
-final division, half types accumulating in fp32, integer wrap-around and
-NaN propagation.
+final division, half types accumulating in fp32, integer wrap-around, NaN
+propagation and the bitwise ops' refusal of floating types.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pyddp._C import _testing as k
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
-OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+BITWISE = ("BAND", "BOR", "BXOR")
 LENGTHS = [0, 1, 7, 511, 512, 513, 1031]
 HALF = (torch.float16, torch.bfloat16)
 
@@ -29,6 +30,9 @@ def _combine(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
     if op == "PRODUCT":
         return a * b
+    if op in BITWISE:
+        return {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or,
+                "BXOR": torch.bitwise_xor}[op](a, b)
     return torch.minimum(a, b) if op == "MIN" else torch.maximum(a, b)
 
 
@@ -60,7 +64,10 @@ def _same(actual, expected):
 
 
 def _cases():
-    return [(d, op) for d in DTYPES for op in OPS if op != "AVG" or d.is_floating_point]
+    """AVG is for floating types, the bitwise ops for integers."""
+    return [(d, op) for d in DTYPES for op in OPS
+            if (op != "AVG" or d.is_floating_point) and (op not in BITWISE
+                                                         or not d.is_floating_point)]
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
@@ -126,6 +133,17 @@ def test_integers_wrap_around():
     assert final(_C.RedOp.SUM, torch.tensor([255], dtype=torch.uint8)) == [254]
     big = torch.tensor([2**62], dtype=torch.int64)
     assert k.reduce_n(_C.RedOp.SUM, 4, [big] * 4).tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+@pytest.mark.parametrize("op", BITWISE)
+def test_bitwise_ops_refuse_floating_types(dtype, op):
+    a = torch.ones(3, dtype=dtype)
+    red = getattr(_C.RedOp, op)
+    with pytest.raises(RuntimeError, match=f"{op} reduction on floating dtype"):
+        k.reduce_n(red, 2, [a, a])
+    with pytest.raises(RuntimeError, match=f"{op} reduction on floating dtype"):
+        k.reduce_final(red, 2, a, a, elements=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])

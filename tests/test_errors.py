@@ -247,9 +247,11 @@ def _bad_inputs(ctx: RankContext) -> None:
     for dtype in (torch.int16, torch.bool, torch.complex64):
         raises(TypeError, f"{who}: all_reduce: tensor has dtype .*; supported",
                 pg.all_reduce, torch.zeros(2, dtype=dtype))
-    for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
-        raises(TypeError, f"{who}: all_reduce: .* is not supported", pg.all_reduce,
-                torch.zeros(2), op)
+    raises(TypeError, f"{who}: all_reduce: .*PREMUL_SUM is not supported", pg.all_reduce,
+            torch.zeros(2), ReduceOp.PREMUL_SUM)
+    for op, name in ((ReduceOp.BAND, "BAND"), (ReduceOp.BOR, "BOR"), (ReduceOp.BXOR, "BXOR")):
+        raises(TypeError, f"{who}: all_reduce: ReduceOp.{name} needs an integer tensor "
+                r"\(int8, uint8, int32, int64\), got float32", pg.all_reduce, torch.zeros(2), op)
     raises(TypeError, f"{who}: all_reduce: ReduceOp.AVG needs a floating-point tensor",
             pg.all_reduce, torch.zeros(2, dtype=torch.int32), ReduceOp.AVG)
     raises(TypeError, f"{who}: reduce_scatter_single: ReduceOp.AVG needs a floating",

@@ -154,6 +154,10 @@ def _stream_semantics(ctx: RankContext) -> None:
     # A CPU tensor on a CUDA-only group is refused, naming both devices.
     with pytest.raises(TypeError, match=f"rank {ctx.rank}: all_reduce: tensor is on cpu"):
         pg.all_reduce(torch.ones(2))
+    # pyddp's CUDA transports take no bitwise op.
+    with pytest.raises(TypeError, match=f"rank {ctx.rank}: all_reduce: ReduceOp.BXOR is "
+                                        "supported on CPU tensors only"):
+        pg.all_reduce(torch.ones(2, dtype=torch.int32, device=dev), pyddp.ReduceOp.BXOR)
 
 
 def test_stream_semantics(ranks):

@@ -27,7 +27,8 @@ from pyddp._C import _testing as k
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
-OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+BITWISE = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
 HALF = (torch.float16, torch.bfloat16)
 SIZES = [0, 1, 7, 8, 9, 1023, 40_003]
 # On a GPU also a size whose packs outnumber the largest grid's threads
@@ -43,7 +44,10 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _cases():
-    return [(d, op) for d in DTYPES for op in OPS if op != "AVG" or d.is_floating_point]
+    """AVG is for floating types, the bitwise ops for integers."""
+    return [(d, op) for d in DTYPES for op in OPS
+            if (op != "AVG" or d.is_floating_point) and (op not in BITWISE
+                                                         or not d.is_floating_point)]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -86,6 +90,8 @@ def _combine(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return a + b
         if op == "PRODUCT":
             return a * b
+        if op in BITWISE:
+            return BITWISE[op](a, b)
         return np.minimum(a, b) if op == "MIN" else np.maximum(a, b)
 
 
@@ -348,6 +354,16 @@ def test_integer_avg_is_refused(target):
         target.run("reduce_partial", (1, 1), _C.RedOp.AVG, 2, x.clone(), x, x)
     with pytest.raises(RuntimeError, match="AVG reduction on integer dtype int32"):
         target.run("reduce_n", (1, 1), _C.RedOp.AVG, 2, x.clone(), [x, x])
+
+
+@pytest.mark.parametrize("op", list(BITWISE))
+def test_bitwise_ops_on_floating_types_are_refused(target, op):
+    dev = target.device
+    x = torch.ones(8, dtype=torch.float32, device=dev)
+    with pytest.raises(RuntimeError, match=f"{op} reduction on floating dtype float32"):
+        target.run("reduce_partial", (1, 1), getattr(_C.RedOp, op), 2, x.clone(), x, x)
+    with pytest.raises(RuntimeError, match=f"{op} reduction on floating dtype float32"):
+        target.run("reduce_n", (1, 1), getattr(_C.RedOp, op), 2, x.clone(), [x, x])
 
 
 def test_reduce_n_source_limit(target):

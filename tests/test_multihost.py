@@ -6,8 +6,8 @@ passes between them while loopback TCP connects them. Placements: 2 hosts x 2
 ranks (even: the hierarchical layout), the same interleaved (ranks 0, 2 on one
 host), 3 + 1 (uneven: through host leaders), 3 hosts of one rank (gloo alone);
 and PYDDP_HOSTID splitting one real host into two. Every collective, dtype and
-op against the references of the one-host tests, sparse all-reduce against
-a one-process sum, DDP against one process and
+op (the bitwise ops included) against the references of the one-host tests,
+sparse all-reduce against a one-process sum, DDP against one process and
 torch's DDP over the "pyddp" backend against gloo, a rank killed on the other
 host named by the survivors, and nothing left in /dev/shm on any host.
 """
@@ -87,6 +87,11 @@ def test_every_collective_dtype_and_op(hosts):
     hosts.run(one_host._reduce_scatter_cases, GROUP)
     hosts.run(one_host._all_gather_cases, GROUP)
     hosts.run(one_host._broadcast_cases, GROUP)
+
+
+def test_bitwise_ops_across_hosts(hosts):
+    # gloo reduces between hosts with c10d's BAND, BOR and BXOR.
+    hosts.run(one_host._bitwise_cases, GROUP)
 
 
 def test_rooted_all_to_all_coalesced_and_point_to_point(hosts):

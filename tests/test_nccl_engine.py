@@ -200,6 +200,9 @@ def _gpu_bad_arguments(ctx: RankContext) -> str:
         pg.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), _C.RedOp.AVG, False)
     with pytest.raises(TypeError, match="has dtype"):
         pg.all_reduce(torch.ones(4, dtype=torch.complex64, device=dev), _C.RedOp.SUM, False)
+    with pytest.raises(TypeError, match=f"rank {ctx.rank}: all_reduce: ReduceOp.BAND is "
+                                        "supported on CPU tensors only .NCCL has no bitwise"):
+        pg.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), _C.RedOp.BAND, False)
     with pytest.raises(ValueError, match=f"expected {4 * ctx.world_size}"):
         pg.all_gather_single(torch.empty(7, device=dev), torch.empty(4, device=dev), False)
     with pytest.raises(ValueError, match="src=5 is not a rank"):

@@ -37,7 +37,8 @@ from harness import RankContext, Ranks
 WORLD = 3
 ReduceOp = pyddp.ReduceOp
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
-OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+BITWISE = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
 KINDS = ["all_reduce", "all_gather_single", "all_gather", "broadcast", "reduce_scatter_single",
          "barrier"]
 REDUCING = ("all_reduce", "reduce_scatter_single")
@@ -99,7 +100,8 @@ def inputs_of(call: Call, seed: int, index: int, rank: int) -> np.ndarray:
 
 def reference_reduce(stack: np.ndarray, op: str, dtype: str) -> np.ndarray:
     """The reduction of stack's rows as pyddp documents it: integers wrap, half
-    types accumulate in float32 and round once, AVG divides the sum."""
+    types accumulate in float32 and round once, AVG divides the sum, the bitwise
+    ops act on integers' bits."""
     if dtype.startswith(("int", "uint")):
         acc = np.dtype(dtype)
     elif dtype in ("float16", "bfloat16"):
@@ -112,6 +114,8 @@ def reference_reduce(stack: np.ndarray, op: str, dtype: str) -> np.ndarray:
             out = rows.sum(axis=0, dtype=acc)
         elif op == "PRODUCT":
             out = rows.prod(axis=0, dtype=acc)
+        elif op in BITWISE:
+            out = BITWISE[op].reduce(rows, axis=0)
         elif op == "MIN":
             out = rows.min(axis=0)
         else:
@@ -249,7 +253,9 @@ def calls(draw) -> Call:
     kind = draw(st.sampled_from(KINDS))
     dtype = draw(st.sampled_from(DTYPES))
     floating = dtype.startswith(("float", "bfloat"))
-    op = draw(st.sampled_from([o for o in OPS if o != "AVG" or floating]))
+    # AVG is for floating types, the bitwise ops for integer types.
+    op = draw(st.sampled_from([o for o in OPS if (o != "AVG" or floating)
+                               and (o not in BITWISE or not floating)]))
     layouts = ["dense", "strided"] + (["inplace"] if kind in (
         "all_gather_single", "all_gather", "reduce_scatter_single") else [])
     return Call(kind, dtype, op, draw(COUNTS), draw(st.integers(0, WORLD - 1)),

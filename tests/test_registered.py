@@ -113,7 +113,9 @@ def _all_reduce(ctx, dtype, op, registered_on, count=None, group_name="auto"):
                                       (torch.bfloat16, ReduceOp.SUM),
                                       (torch.float16, ReduceOp.MAX),
                                       (torch.int32, ReduceOp.PRODUCT),
-                                      (torch.int64, ReduceOp.MIN)])
+                                      (torch.int64, ReduceOp.MIN),
+                                      (torch.int8, ReduceOp.BXOR),
+                                      (torch.int64, ReduceOp.BOR)])
 def test_all_reduce_reads_registered_tensors_in_place(ranks, dtype, op):
     everyone = range(ranks.world_size)
     results = ranks.run(_all_reduce, dtype, op, everyone)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import pyddp  # noqa: F401  (registers the "pyddp" backend)
-from collective_cases import check_equal
+from collective_cases import BITWISE_OPS, INT_DTYPES, check_equal, make_input, reference_reduce
 from harness import RankContext, Ranks
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -233,9 +233,29 @@ def _recv_anysource(r, n):
         dist.send(torch.tensor([float(r)]), 0)
 
 
-def _bitwise_ops(r, n, pattern):
-    _refused(pattern)(r, n, lambda: dist.all_reduce(torch.ones(1, dtype=torch.int32),
-                                                    op=dist.ReduceOp.BAND))
+def _bitwise_ops(r, n):
+    for dtype in INT_DTYPES:
+        for op in BITWISE_OPS:
+            inputs = [make_input(k, 5, dtype, op) for k in range(n)]
+            expected = reference_reduce(inputs, op)
+            t = inputs[r].clone()
+            dist.all_reduce(t, op=op)
+            check_equal(t, expected, f"all_reduce {dtype} {op}")
+            t = inputs[r].clone()
+            dist.reduce(t, dst=0, op=op)
+            check_equal(t, expected if r == 0 else inputs[r], f"reduce {dtype} {op}")
+            whole = [make_input(k, 2 * n, dtype, op, salt=1) for k in range(n)]
+            out = torch.zeros(2, dtype=dtype)
+            dist.reduce_scatter_tensor(out, whole[r], op=op)
+            check_equal(out, reference_reduce(whole, op)[2 * r:2 * r + 2],
+                        f"reduce_scatter_tensor {dtype} {op}")
+    with pytest.raises(TypeError, match="ReduceOp.BAND needs an integer tensor"):
+        dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND)
+
+
+def _premul_sum(r, n, pattern):
+    _refused(pattern)(r, n, lambda: dist.all_reduce(torch.ones(1),
+                                                    op=dist._make_nccl_premul_sum(2.0)))
 
 
 def _all_gather_coalesced(r, n):
@@ -267,7 +287,8 @@ CHECKS = {
     "`barrier`": _barrier,
     "`all_gather_object`, `broadcast_object_list`, `gather_object`, `scatter_object_list`":
         _objects,
-    "`ReduceOp.BAND`, `BOR`, `BXOR`, `PREMUL_SUM`": _bitwise_ops,
+    "`ReduceOp.BAND`, `BOR`, `BXOR`": _bitwise_ops,
+    "`ReduceOp.PREMUL_SUM`": _premul_sum,
     "`all_gather_coalesced` (deprecated list form)": _all_gather_coalesced,
 }
 

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 import pyddp
-from collective_cases import (DTYPES, ReduceOp, check_equal, check_object_collectives,
-                              dtype_op_pairs, make_input, reference_reduce)
+from collective_cases import (BITWISE_OPS, DTYPES, INT_DTYPES, ReduceOp, check_equal,
+                              check_object_collectives, dtype_op_pairs, make_input,
+                              reference_reduce)
 from harness import RankContext, Ranks
 
 COUNTS = [0, 1, 1001, 70000]
@@ -155,14 +156,40 @@ def _unsupported(ctx: RankContext) -> None:
         if ctx.rank == ctx.world_size - 1:
             dist.send(torch.full((2,), float(ctx.rank)), 0, tag=1)
     with pytest.raises(ValueError, match=r"allreduce: the pyddp backend does not support "
-                                         r"ReduceOp\.BAND"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
+                                         r"ReduceOp\.PREMUL_SUM"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+    with pytest.raises(TypeError, match=r"all_reduce: ReduceOp\.BXOR needs an integer tensor"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BXOR)
     with pytest.raises(TypeError, match="AVG needs a floating-point tensor"):
         dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
     # The group is still usable after argument errors (none reached the transport).
     t = torch.ones(3)
     dist.all_reduce(t)
     check_equal(t, torch.full((3,), float(ctx.world_size)), "all_reduce after errors")
+
+
+def _bitwise_against_gloo(ctx: RankContext) -> None:
+    """BAND, BOR and BXOR on pyddp give what they give on gloo, from the same inputs."""
+    n, gloo = ctx.world_size, ctx.state["gloo"]
+    for dtype in INT_DTYPES:
+        for op in BITWISE_OPS:
+            for count in (0, 1, 1001):
+                what = f"{dtype} {op} n={count}"
+                mine = make_input(ctx.rank, count, dtype, op)
+                ours, theirs = mine.clone(), mine.clone()
+                dist.all_reduce(ours, op=op)
+                dist.all_reduce(theirs, op=op, group=gloo)
+                check_equal(ours, theirs, f"all_reduce {what} against gloo")
+                ours, theirs = mine.clone(), mine.clone()
+                dist.reduce(ours, dst=n - 1, op=op)
+                dist.reduce(theirs, dst=n - 1, op=op, group=gloo)
+                if ctx.rank == n - 1:
+                    check_equal(ours, theirs, f"reduce {what} against gloo")
+                whole = make_input(ctx.rank, n * count, dtype, op, salt=1)
+                ours, theirs = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
+                dist.reduce_scatter_tensor(ours, whole, op=op)
+                dist.reduce_scatter_tensor(theirs, whole, op=op, group=gloo)
+                check_equal(ours, theirs, f"reduce_scatter_tensor {what} against gloo")
 
 
 def _train_torch_ddp(ctx: RankContext, backend: str) -> list:
@@ -214,6 +241,10 @@ def test_reduce_scatter(ranks):
 
 def test_async_work_and_object_collectives(ranks):
     ranks.run(_async_and_objects)
+
+
+def test_bitwise_ops_agree_with_gloo(ranks):
+    ranks.run(_bitwise_against_gloo)
 
 
 def test_unsupported_operations_fail_loudly(ranks):

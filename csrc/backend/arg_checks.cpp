@@ -75,6 +75,15 @@ void ArgChecks::op(RedOp op, DataType dtype, const char* call) const {
   PYDDP_CHECK_TYPE(op != RedOp::Avg || isFloating(dtype), "rank ", rank_, ": ", call,
                    ": ReduceOp.AVG needs a floating-point tensor, got ",
                    toString(dtype), "; use SUM and divide");
+  if (!isBitwise(op)) return;
+  PYDDP_CHECK_TYPE(!isFloating(dtype), "rank ", rank_, ": ", call, ": ReduceOp.", toString(op),
+                   " needs an integer tensor (int8, uint8, int32, int64), got ",
+                   toString(dtype));
+  // NCCL has no bitwise reductions; pyddp's own CUDA transports (cuda_ipc,
+  // nccl_ring) would run the grid kernels' bitwise operators, which no GPU
+  // test covers yet, so CUDA tensors are refused alike.
+  PYDDP_CHECK_TYPE(device_.is_cpu(), "rank ", rank_, ": ", call, ": ReduceOp.", toString(op),
+                   " is supported on CPU tensors only (NCCL has no bitwise reductions)");
 }
 void ArgChecks::root(int root, const char* call, const char* what) const {
   PYDDP_CHECK_VALUE(root >= 0 && root < size_, "rank ", rank_, ": ", call, ": ", what, "=",

@@ -81,7 +81,7 @@ RedOp Engine::redOp(const c10d::ReduceOp& op, const char* call) const {
   const auto ours = redOpOf(op);
   PYDDP_CHECK_VALUE(ours.has_value(), "rank ", rank_, ": ", call, ": the pyddp backend does "
                     "not support ReduceOp.", nameOf(op), " (supported: SUM, AVG, PRODUCT, MIN, "
-                    "MAX)");
+                    "MAX, BAND, BOR, BXOR)");
   return *ours;
 }
 

@@ -35,8 +35,13 @@ c10d::ReduceOp glooOp(RedOp op) {
     case RedOp::Product: return c10d::ReduceOp::PRODUCT;
     case RedOp::Min: return c10d::ReduceOp::MIN;
     case RedOp::Max: return c10d::ReduceOp::MAX;
-    default: return c10d::ReduceOp::SUM;  // AVG divides after a SUM
+    case RedOp::BitAnd: return c10d::ReduceOp::BAND;
+    case RedOp::BitOr: return c10d::ReduceOp::BOR;
+    case RedOp::BitXor: return c10d::ReduceOp::BXOR;
+    case RedOp::Sum:
+    case RedOp::Avg: break;  // AVG divides after a SUM
   }
+  return c10d::ReduceOp::SUM;
 }
 
 // AVG over the group is a SUM and one division, as a one-host reduction

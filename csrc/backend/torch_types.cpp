@@ -25,6 +25,9 @@ std::optional<RedOp> redOpOf(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::PRODUCT: return RedOp::Product;
     case c10d::ReduceOp::MIN: return RedOp::Min;
     case c10d::ReduceOp::MAX: return RedOp::Max;
+    case c10d::ReduceOp::BAND: return RedOp::BitAnd;
+    case c10d::ReduceOp::BOR: return RedOp::BitOr;
+    case c10d::ReduceOp::BXOR: return RedOp::BitXor;
     default: return std::nullopt;
   }
 }

@@ -24,7 +24,21 @@ enum class DataType : int32_t {
   Int64 = 7,
 };
 
-enum class RedOp : int32_t { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4 };
+enum class RedOp : int32_t {
+  Sum = 0,
+  Avg = 1,
+  Product = 2,
+  Min = 3,
+  Max = 4,
+  BitAnd = 5,
+  BitOr = 6,
+  BitXor = 7,
+};
+
+// BAND, BOR and BXOR: defined on integer types only.
+inline bool isBitwise(RedOp op) {
+  return op == RedOp::BitAnd || op == RedOp::BitOr || op == RedOp::BitXor;
+}
 
 // How an all-reduce runs: by size (Auto), or forced. Direct is the one-shot
 // algorithm (every rank reduces the whole message from every rank's staged
@@ -99,6 +113,9 @@ inline const char* toString(RedOp op) {
     case RedOp::Product: return "PRODUCT";
     case RedOp::Min: return "MIN";
     case RedOp::Max: return "MAX";
+    case RedOp::BitAnd: return "BAND";
+    case RedOp::BitOr: return "BOR";
+    case RedOp::BitXor: return "BXOR";
   }
   return "unknown";
 }

@@ -23,6 +23,8 @@ void dispatch(const ReduceSpec& spec, Body&& body) {
   PYDDP_CHECK(
       spec.op != RedOp::Avg || isFloating(spec.dtype),
       "AVG reduction on integer dtype ", toString(spec.dtype));
+  PYDDP_CHECK(!isBitwise(spec.op) || !isFloating(spec.dtype), toString(spec.op),
+              " reduction on floating dtype ", toString(spec.dtype));
   dispatchType(spec.dtype, [&](auto t) {
     dispatchOp(spec.op, [&](auto op) { body(t, op); });
   });

@@ -109,7 +109,12 @@ PYDDP_AVX2_F16C void narrowVector(const float* src, H* dst, size_t n) {
 }
 
 // reduce.h's operators on 8 lanes, with the same results: MIN and MAX
-// return the first NaN operand, as MinOp and MaxOp do.
+// return the first NaN operand, as MinOp and MaxOp do. The bitwise operators
+// have no lanes: half types never reduce bitwise (refused before any kernel).
+template <typename Op>
+constexpr bool kLaneOp = std::is_same_v<Op, SumOp> || std::is_same_v<Op, ProdOp> ||
+    std::is_same_v<Op, MinOp> || std::is_same_v<Op, MaxOp>;
+
 template <typename Op>
 PYDDP_AVX2_F16C inline __m256 combine8(__m256 a, __m256 b) {
   if constexpr (std::is_same_v<Op, SumOp>) {
@@ -117,6 +122,7 @@ PYDDP_AVX2_F16C inline __m256 combine8(__m256 a, __m256 b) {
   } else if constexpr (std::is_same_v<Op, ProdOp>) {
     return _mm256_mul_ps(a, b);
   } else {
+    static_assert(std::is_same_v<Op, MinOp> || std::is_same_v<Op, MaxOp>);
     // MinOp: b < a ? b : a; MaxOp: a < b ? b : a.
     const __m256 takeB = std::is_same_v<Op, MinOp> ? _mm256_cmp_ps(b, a, _CMP_LT_OQ)
                                                    : _mm256_cmp_ps(a, b, _CMP_LT_OQ);
@@ -175,9 +181,11 @@ size_t reducePartialVector(RedOp op, float* dst, const void* in, Incoming incomi
   size_t done = 0;
   dispatchOp(op, [&](auto o) {
     using Op = decltype(o);
-    done = incoming == Incoming::Elements
-               ? partialPass<Op>(dst, static_cast<const H*>(in), local, n)
-               : partialPass<Op>(dst, static_cast<const float*>(in), local, n);
+    if constexpr (kLaneOp<Op>) {
+      done = incoming == Incoming::Elements
+                 ? partialPass<Op>(dst, static_cast<const H*>(in), local, n)
+                 : partialPass<Op>(dst, static_cast<const float*>(in), local, n);
+    }
   });
   return done;
 }
@@ -189,9 +197,11 @@ size_t reduceFinalVector(RedOp op, float divisor, H* dst, H* dst2, const void* i
   size_t done = 0;
   dispatchOp(op, [&](auto o) {
     using Op = decltype(o);
-    done = incoming == Incoming::Elements
-               ? finalPass<Op>(dst, dst2, static_cast<const H*>(in), local, n, divisor)
-               : finalPass<Op>(dst, dst2, static_cast<const float*>(in), local, n, divisor);
+    if constexpr (kLaneOp<Op>) {
+      done = incoming == Incoming::Elements
+                 ? finalPass<Op>(dst, dst2, static_cast<const H*>(in), local, n, divisor)
+                 : finalPass<Op>(dst, dst2, static_cast<const float*>(in), local, n, divisor);
+    }
   });
   return done;
 }

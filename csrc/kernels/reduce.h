@@ -7,7 +7,9 @@
 //  - half types (fp16, bf16) accumulate in fp32 and round once per store;
 //  - integers wrap modulo 2^bits (computed in the unsigned type, so no UB);
 //  - AVG is SUM followed by a division by the world size, done on the
-//    accumulator before the final rounding.
+//    accumulator before the final rounding;
+//  - BAND, BOR and BXOR are for integers (the argument checks refuse them on
+//    floating types before any kernel runs).
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -94,6 +96,40 @@ struct MaxOp {
   }
 };
 
+// Every (dtype, operator) pair is instantiated, so the bitwise operators
+// compile for floating types too, where they keep the first operand: never
+// reached, since floating tensors with a bitwise operator are refused first.
+struct BitAndOp {
+  template <typename A>
+  PYDDP_HD A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) {
+      return static_cast<A>(a & b);
+    } else {
+      return a;
+    }
+  }
+};
+struct BitOrOp {
+  template <typename A>
+  PYDDP_HD A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) {
+      return static_cast<A>(a | b);
+    } else {
+      return a;
+    }
+  }
+};
+struct BitXorOp {
+  template <typename A>
+  PYDDP_HD A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) {
+      return static_cast<A>(a ^ b);
+    } else {
+      return a;
+    }
+  }
+};
+
 // The final step of a reduction: AVG divides by the world size, other
 // operators pass through. Division (not multiplication by a reciprocal) so
 // results equal sum / n computed independently.
@@ -144,6 +180,9 @@ PYDDP_HD inline void dispatchOp(RedOp op, F&& f) {
     case RedOp::Product: f(ProdOp{}); break;
     case RedOp::Min: f(MinOp{}); break;
     case RedOp::Max: f(MaxOp{}); break;
+    case RedOp::BitAnd: f(BitAndOp{}); break;
+    case RedOp::BitOr: f(BitOrOp{}); break;
+    case RedOp::BitXor: f(BitXorOp{}); break;
   }
 }
 

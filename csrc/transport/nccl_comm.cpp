@@ -68,6 +68,12 @@ ncclRedOp_t redOp(RedOp op, int ranks) {
     case RedOp::Product: return ncclProd;
     case RedOp::Min: return ncclMin;
     case RedOp::Max: return ncclMax;
+    case RedOp::BitAnd:
+    case RedOp::BitOr:
+    case RedOp::BitXor:
+      PYDDP_CHECK_TYPE(false, "NCCL has no bitwise reduction: ReduceOp.", toString(op),
+                       " is not supported on NCCL");
+      break;
   }
   PYDDP_CHECK(false, "no NCCL operator for op ", static_cast<int>(op));
   return ncclSum;
