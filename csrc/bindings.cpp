@@ -385,6 +385,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("recv", [](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.recvFrom(t, src, tag, c); });
       }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout)
+      .def("monitored_barrier", [](Engine& e, const Timeout& to, bool waitAll) {
+        c10d::BarrierOptions opts;
+        opts.timeout = to.value_or(c10d::kUnsetTimeout);
+        interruptibly([&] {
+          e.monitoredBarrier(opts, waitAll);
+          return true;
+        });
+      }, py::arg("timeout"), py::arg("wait_all_ranks"),
+         "c10d's monitoredBarrier: rank 0 names the ranks that did not arrive in `timeout` "
+         "(None: the group's).")
       .def("direct_entries", &direct::entriesOf, py::arg("ops"),
            "The synchronous entries for this engine's tensors, by name: all_reduce(tensor, "
            "op), all_gather_single(output, input), reduce_scatter_single(output, input, op), "

@@ -566,6 +566,21 @@ class ProcessGroup:
         work = engines[-1].barrier(async_op)
         return Work(work) if async_op else None
 
+    def monitored_barrier(self, timeout: Optional[datetime.timedelta] = None,
+                          wait_all_ranks: bool = False) -> None:
+        """A barrier on the CPU that names who did not come, as gloo's: every rank but 0
+        reports to rank 0, which waits ``timeout`` (the group's when None) and raises naming
+        the first rank that did not report (every such rank with ``wait_all_ranks``); the
+        ranks that did report then fail too, pointing at rank 0."""
+        if timeout is not None and (not isinstance(timeout, datetime.timedelta)
+                                    or timeout < datetime.timedelta(0)):
+            raise ValueError("pyddp: monitored_barrier: timeout must be a datetime.timedelta of "
+                             f"at least 0, got {timeout!r}")
+        if self._cpu_engine is None:
+            raise TypeError(f"pyddp: rank {self._rank}: monitored_barrier runs on the CPU, and "
+                            f"this group (backend {self._kind!r}) serves no CPU tensors")
+        self._cpu_engine.monitored_barrier(timeout, bool(wait_all_ranks))
+
     def shutdown(self) -> None:
         """Stops the group's engines: pending collectives fail, and peers waiting on this
         rank fail at once, saying that it destroyed its group."""
@@ -841,6 +856,12 @@ reduce_scatter_tensor = reduce_scatter_single
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
     return _group(group, "barrier").barrier(async_op)
+
+
+def monitored_barrier(group: Optional[ProcessGroup] = None,
+                      timeout: Optional[datetime.timedelta] = None,
+                      wait_all_ranks: bool = False) -> None:
+    return _group(group, "monitored_barrier").monitored_barrier(timeout, wait_all_ranks)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None,

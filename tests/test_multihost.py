@@ -7,7 +7,8 @@ ranks (even: the hierarchical layout), the same interleaved (ranks 0, 2 on one
 host), 3 + 1 (uneven: through host leaders), 3 hosts of one rank (gloo alone);
 and PYDDP_HOSTID splitting one real host into two. Every collective, dtype and
 op (the bitwise ops included) against the references of the one-host tests,
-sparse all-reduce against a one-process sum, DDP against one process and
+sparse all-reduce against a one-process sum, receives from any
+rank (gloo's recvAnysource), DDP against one process and
 torch's DDP over the "pyddp" backend against gloo, a rank killed on the other
 host named by the survivors, and nothing left in /dev/shm on any host.
 """
@@ -101,17 +102,38 @@ def test_rooted_all_to_all_coalesced_and_point_to_point(hosts):
     hosts.run(p2p._ring_exchanges, GROUP)
 
 
-def _any_source_refused(ctx: RankContext) -> None:
-    pg = ctx.groups[GROUP]
-    with pytest.raises(ValueError, match="recv without a source rank .* not supported yet by a "
-                                         "group that spans hosts"):
-        pg.recv(torch.zeros(1))
-    pg.barrier()  # the group still works
-
-
-def test_sparse_all_reduce_and_no_receive_from_any_source(hosts):
+def test_sparse_all_reduce_and_receive_from_any_source(hosts):
     hosts.run(sparse._sparse_cases, GROUP)
-    hosts.run(_any_source_refused)
+    hosts.run(p2p._any_source, GROUP, False)
+
+
+def _monitored_barrier(ctx: RankContext) -> object:
+    """gloo's monitored_barrier, which pyddp hands over across hosts: it passes on the group;
+    on a fresh group that rank 1 skips, what each other rank raised."""
+    pg, n = ctx.groups[GROUP], ctx.world_size
+    pyddp.monitored_barrier(pg, timeout=datetime.timedelta(seconds=30))
+    pyddp.monitored_barrier(pg, wait_all_ranks=True)
+    pg.barrier()  # the group goes on
+    # gloo's ranks that arrived hear of rank 0's failure at their group's timeout.
+    fresh = pyddp.create_group("auto", store=dist.FileStore(ctx.store_path("monitored"), n),
+                               rank=ctx.rank, world_size=n, timeout=datetime.timedelta(seconds=5))
+    try:
+        if ctx.rank == 1:
+            return None
+        with pytest.raises(RuntimeError) as error:
+            pyddp.monitored_barrier(fresh, timeout=datetime.timedelta(seconds=1))
+        return str(error.value)
+    finally:
+        fresh.shutdown()
+
+
+def test_monitored_barrier_across_hosts_is_gloos(hosts):
+    messages = hosts.run(_monitored_barrier)
+    assert messages[1] is None
+    assert "Rank 1 failed to pass monitoredBarrier in 1000 ms" in messages[0], messages
+    for rank in range(2, hosts.world_size):
+        assert (f"Rank {rank} successfully reached monitoredBarrier, but received errors while "
+                "waiting for send/recv from rank 0") in messages[rank], messages
 
 
 def _mismatch(ctx: RankContext) -> str:

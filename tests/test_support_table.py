@@ -6,6 +6,7 @@ error text it quotes. A row without a check here, or a check without a row, fail
 
 from __future__ import annotations
 
+import datetime
 import functools
 import operator
 import os
@@ -204,6 +205,18 @@ def _barrier(r, n):
     dist.barrier()
 
 
+def _monitored_barrier(r, n):
+    group = dist.group.WORLD
+    group.monitored_barrier(datetime.timedelta(seconds=60))
+    group.monitored_barrier(datetime.timedelta(seconds=60), wait_all_ranks=True)
+    if r != n - 1:  # rank n-1 stays away; rank 0 names it, the others point at rank 0
+        with pytest.raises(RuntimeError) as error:
+            group.monitored_barrier(datetime.timedelta(seconds=1))
+        named = f"Rank {n - 1} failed to pass monitoredBarrier in 1000 ms" if r == 0 else \
+            f"Rank {r} successfully reached monitoredBarrier, but received errors"
+        assert named in str(error.value), str(error.value)
+
+
 def _objects(r, n):
     objs = [None] * n
     dist.all_gather_object(objs, {"r": r})
@@ -285,6 +298,8 @@ CHECKS = {
     "coalesced (`allreduce_coalesced`, `allgather_into_tensor_coalesced`, "
     "`reduce_scatter_tensor_coalesced`)": _coalesced,
     "`barrier`": _barrier,
+    "`monitored_barrier` (`ProcessGroup.monitored_barrier`, `pyddp.monitored_barrier`)":
+        _monitored_barrier,
     "`all_gather_object`, `broadcast_object_list`, `gather_object`, `scatter_object_list`":
         _objects,
     "`ReduceOp.BAND`, `BOR`, `BXOR`": _bitwise_ops,

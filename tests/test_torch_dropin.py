@@ -156,11 +156,11 @@ def _refusals(ctx: RankContext) -> None:
     """Calls that reach a c10d entry point pyddp does not serve, on a "pyddp" group."""
     group, n = ctx.state["pyddp"], ctx.world_size
 
-    # torch's Python refuses monitored_barrier for every backend but gloo; the group's own
-    # method reaches c10d.
+    # c10d's coalescing of a device's operations, which gloo refuses as well.
     cases = [
-        (lambda: group.monitored_barrier(datetime.timedelta(seconds=30)),
-         "torch.distributed.monitored_barrier (c10d's monitoredBarrier)"),
+        (lambda: group._start_coalescing(CPU),
+         "torch.distributed._coalescing_manager with a device, or batch_isend_irecv (c10d's "
+         "startCoalescing)"),
     ]
     for call, described in cases:
         with pytest.raises(NotImplementedError) as error:

@@ -105,6 +105,7 @@ class CrossHostP2pWork final : public c10d::Work {
         finish_(std::move(finish)) {}
 
   bool isCompleted() override { return inner_->isCompleted(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
 
   bool wait(std::chrono::milliseconds timeout) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -774,22 +775,24 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
                                      const CallOptions& call) {
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
-  // gloo's recvAnysource, composed here, left the receive and its senders
-  // waiting (2 and 3 hosts); until that is understood, refused.
-  PYDDP_CHECK_VALUE(src != kAnySource, "rank ", rank_, ": recv without a source rank "
-                    "(src=None) is not supported yet by a group that spans hosts: name the "
-                    "rank the message comes from");
-  checks_.peer(src, "recv", "src");
+  if (src != kAnySource) checks_.peer(src, "recv", "src");
   checks_.tag(tag, "recv");
   // gloo takes contiguous tensors only.
   const at::Tensor buf = dense(tensor);
   std::vector<at::Tensor> v{buf};
+  const bool any = src == kAnySource;
   WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
-      flat_->recv(v, src, static_cast<int>(tag)),
-      c10::str("rank ", rank_, ": recv from rank ", src, " (tag ", tag, ") across hosts"),
+      any ? flat_->recvAnysource(v, static_cast<int>(tag))
+          : flat_->recv(v, src, static_cast<int>(tag)),
+      c10::str("rank ", rank_, ": recv from ", any ? "any rank" : c10::str("rank ", src),
+               " (tag ", tag, ") across hosts"),
       c10d::OpType::RECV, [tensor, buf] { copyBack(tensor, buf); });
   if (!call.asyncOp) work->wait();
   return work;
+}
+
+void HierarchicalEngine::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  flat_->monitoredBarrier(opts, waitAllRanks);
 }
 
 } // namespace pyddp

@@ -106,6 +106,8 @@ class HierarchicalEngine final : public Engine {
                  const CallOptions& call) override;
   WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
                    const CallOptions& call) override;
+  // gloo's own, on the group of every rank.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   void shutdown() override;
 

@@ -3,6 +3,7 @@
 #include "backend/bootstrap.h"
 #include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
+#include "backend/monitored_barrier.h"
 #include "backend/p2p_executor.h"
 #include "backend/sparse.h"
 #include "common/check.h"
@@ -712,6 +713,14 @@ WorkPtr RingEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
                          [=] { copyBack(tensor, buf); });
   if (!call.asyncOp) work->wait();
   return work;
+}
+
+void RingEngine::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  messages("monitored_barrier");
+  const Ms groupTimeout(options_.timeoutMs);
+  const Ms timeout = opts.timeout == c10d::kUnsetTimeout ? groupTimeout : opts.timeout;
+  monitored::barrier(*p2p_, rank_, size_, monitoredBarriers_++, timeout, groupTimeout,
+                     waitAllRanks);
 }
 
 } // namespace pyddp

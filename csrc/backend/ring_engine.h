@@ -11,6 +11,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -86,6 +87,8 @@ class RingEngine final : public Engine {
                  const CallOptions& call) override;
   WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
                    const CallOptions& call) override;
+  // gloo's protocol over this engine's messages (backend/monitored_barrier.h).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   // This rank gave up (an engine that composes this one failed elsewhere):
   // peers waiting on it fail at once with `why`.
@@ -160,6 +163,7 @@ class RingEngine final : public Engine {
   MessageLink* link_ = nullptr;
   MessageLink* userLink_ = nullptr;
   std::unique_ptr<P2pExecutor> p2p_;
+  std::atomic<uint64_t> monitoredBarriers_{0};  // calls so far, for their tags
   std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
 };
 

@@ -74,11 +74,6 @@ LIFTED_FAILURES = {
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook": _NO_MODEL,
     "test_monitored_barrier_gloo": _MONITORED,
     "test_monitored_barrier_gloo_subgroup": _MONITORED,
-    "test_monitored_barrier_gloo_rank_0_timeout": (
-        "calls ProcessGroup.monitored_barrier, past torch's Python check, and reaches c10d's "
-        "monitoredBarrier, which pyddp does not implement (gloo's: rank 0 hears from every "
-        "rank within the timeout)",
-        "(c10d's monitoredBarrier): pyddp's shm engine does not support it"),
 }
 """Tests torch skips for pyddp by name that fail when the skip is lifted: test -> (why, a text
 the failure must contain)."""
