@@ -30,6 +30,8 @@ import torch.distributed as dist
 import pyddp
 from fault_stores import Recording, Sabotage, forge_shm_blob, shm_blob_field
 from harness import Died, RankContext, Ranks, pyddp_segments, raises
+from hosts import HostRanks
+from pyddp import _launch
 
 MINUTE = datetime.timedelta(seconds=60)
 SHM = "/dev/shm"
@@ -719,3 +721,55 @@ def test_ctrl_c_of_the_whole_job():
             assert bad not in err, (rank, err)
     for segment in segments:
         assert not _exists(segment), segment
+
+
+def _full_shm_sender(ctx: RankContext) -> str:
+    """Rank 0 sends to rank 1 with its own /dev/shm full: a small tmpfs, filled, over it in
+    its mount namespace (rank 1's is the host's). Then with it uncovered, the same send."""
+    pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("full"), 2), rank=ctx.rank,
+                         world_size=2, timeout=MINUTE)
+    pg.barrier()
+    got = ""
+    if ctx.rank == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", SHM], check=True)
+        try:
+            fd = os.open(os.path.join(SHM, "filler"), os.O_WRONLY | os.O_CREAT)
+            try:
+                with contextlib.suppress(OSError):
+                    while True:
+                        os.write(fd, b"\0" * 4096)
+            finally:
+                os.close(fd)
+            got = raises(RuntimeError, "No space left on device", pg.send, torch.ones(8), 1)
+        finally:
+            subprocess.run(["umount", SHM], check=True)
+    else:
+        got = raises(dist.DistBackendError, "could not make its channel", pg.recv,
+                     torch.zeros(8), 0)
+    pg.barrier()
+    # The channel can be made now: the pair goes on.
+    t = torch.full((8,), 7.0) if ctx.rank == 0 else torch.zeros(8)
+    if ctx.rank == 0:
+        pg.send(t, 1)
+    else:
+        pg.recv(t, 0)
+    assert torch.equal(t, torch.full((8,), 7.0)), t
+    pg.shutdown()
+    return got
+
+
+@pytest.mark.skipif(_launch.simulated_hosts_unavailable() is not None,
+                    reason="needs mount namespaces (root)")
+def test_a_sender_whose_dev_shm_is_full_tells_its_receiver_why():
+    # Both ranks on one simulated host: each in a mount namespace of its own, sharing its
+    # /dev/shm, so that rank 0 alone can cover its /dev/shm with a full one.
+    pool = HostRanks(["a", "a"])
+    try:
+        sender, receiver = pool.run(_full_shm_sender)
+    finally:
+        pool.close()
+    assert "rank 0: allocating a" in sender and "No space left on device" in sender, sender
+    # Rank 1 hears the cause at once, not "rank 0 has not sent it" at its timeout.
+    assert ("rank 1: recv from rank 0 (tag 0, 32 bytes of float32) cannot complete: rank 0 "
+            "could not make its channel to this rank: rank 0: allocating a") in receiver, receiver
+    assert "No space left on device" in receiver, receiver

@@ -84,14 +84,6 @@ void copyBack(const std::vector<at::Tensor>& originals, const std::vector<at::Te
   for (size_t i = 0; i < originals.size(); ++i) copyBack(originals[i], computed[i]);
 }
 
-// A message that goes into another pyddp error, without its own prefix.
-std::string bare(const std::string& message) {
-  constexpr const char* kPrefix = "pyddp: ";
-  std::string out = message;
-  while (out.rfind(kPrefix, 0) == 0) out.erase(0, std::strlen(kPrefix));
-  return out;
-}
-
 // A point-to-point operation of gloo's: its failure names both ranks and
 // the operation, and a message received into a contiguous buffer is copied
 // into the caller's tensor once it arrived. Waiting twice waits once: a

@@ -22,13 +22,12 @@ at::Tensor token(int64_t value) { return at::full({1}, value, at::kLong); }
 // within its timeout: <cause>" or "<who>: <receive> cannot complete:
 // <cause>" (ShmMessages::expire); any other message is quoted whole.
 std::string causeOf(const std::exception& e) {
-  std::string what = messageOf(e);
+  const std::string what = messageOf(e);
   for (std::string_view marker : {"within its timeout: ", "cannot complete: "}) {
     const size_t at = what.find(marker);
     if (at != std::string::npos) return what.substr(at + marker.size());
   }
-  constexpr std::string_view prefix = "pyddp: ";
-  return what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
+  return bare(what);
 }
 
 std::string joined(const std::vector<int>& ranks) {

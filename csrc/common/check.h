@@ -7,6 +7,7 @@
 
 #include <exception>
 #include <string>
+#include <string_view>
 
 // A broken invariant inside pyddp or a failed system call: RuntimeError.
 #define PYDDP_CHECK(cond, ...) TORCH_CHECK(cond, "pyddp: ", __VA_ARGS__)
@@ -27,6 +28,13 @@ namespace pyddp {
 inline std::string messageOf(const std::exception& e) {
   const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
   return c10Error ? c10Error->what_without_backtrace() : e.what();
+}
+
+// A message that goes into another pyddp error, without its own "pyddp: ".
+inline std::string bare(std::string message) {
+  constexpr std::string_view kPrefix = "pyddp: ";
+  while (message.rfind(kPrefix, 0) == 0) message.erase(0, kPrefix.size());
+  return message;
 }
 
 } // namespace pyddp

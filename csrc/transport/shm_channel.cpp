@@ -17,6 +17,10 @@ namespace {
 // directory (a store round trip) for it.
 constexpr auto kLookupPeriod = std::chrono::milliseconds(1);
 
+// The key of a channel's directory entry that says why its sender could not
+// make it, in place of the channel's geometry.
+constexpr char kUnmadeKey[] = "unmade";
+
 std::string channelKey(const std::string& lane, int src, int dst) {
   return lane + "/" + std::to_string(src) + "-" + std::to_string(dst);
 }
@@ -115,7 +119,19 @@ ShmMessages::Out& ShmMessages::out(int peer) {
       sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
   // Every peer can name it: if this rank dies before dst mapped (and
   // unlinked) it, a survivor removes it (reclaimDead()).
-  o->segment = Segment::create(channelName_(rank_, peer), bytes, who());
+  try {
+    o->segment = Segment::create(channelName_(rank_, peer), bytes, who());
+  } catch (const std::exception& e) {
+    // dst's receives from this rank would wait for a channel that is not
+    // coming (/dev/shm full): they fail with the reason (connect()).
+    try {
+      directory_->publish(channelKey(lane_, rank_, peer),
+                          BlobWriter().put(kUnmadeKey, bare(messageOf(e))).str());
+    } catch (const std::exception&) {
+      // The store is gone too: dst's receives time out instead.
+    }
+    throw;
+  }
   auto* h = new (o->segment.base()) ChannelHeader{};
   h->magic = kChannelMagic;
   h->layoutVersion = kChannelLayoutVersion;
@@ -151,6 +167,19 @@ bool ShmMessages::connect(int peer, In& in) {
   if (!blob) return false;
   const std::string what = "rank " + std::to_string(peer) + "'s channel to " + who();
   const BlobReader r(*blob, what);
+  if (r.has(kUnmadeKey)) {
+    // The sender could not make it, so the messages of its failed sends
+    // will not come: the receives posted now fail. The channel stays
+    // unmapped, for a later send that makes it.
+    for (auto& [id, op] : ops_) {
+      if (!op.send && op.peer == peer) {
+        finish(id, op, State::Failed, who() + ": " + describe(op) + " cannot complete: rank " +
+                   std::to_string(peer) + " could not make its channel to this rank: " +
+                   r.str(kUnmadeKey));
+      }
+    }
+    return false;
+  }
   const auto bytes = r.get<size_t>("bytes");
   const auto slotBytes = r.get<size_t>("slot_bytes");
   const auto numSlots = r.get<int>("num_slots");
