@@ -171,6 +171,52 @@ def test_a_channel_whose_sender_died_with_the_store_is_reclaimed_by_its_receiver
     assert reclaimed == (True, False), reclaimed
 
 
+def _receiver_of_a_dead_store_host(ctx: RankContext, port: int, victim_pid: int) -> tuple:
+    """Rank 0 takes what rank 1 sent before it died with the store, then waits for more;
+    rank 2 waits for a message rank 1 never sent it. Their messages."""
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=MINUTE)
+    pg = _group(ctx, store, name="dead store host")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(ctx.store_path("sent")) or not _dead(victim_pid):
+        assert time.monotonic() < deadline, "rank 1 did not send and die"
+        time.sleep(0.01)
+    if ctx.rank == 0:
+        got = torch.zeros(1000)
+        pg.recv(got, 1, tag=5)
+        assert torch.equal(got, torch.full((1000,), 3.0)), got
+        return raises(dist.DistBackendError, "exited", pg.recv, torch.zeros(1), 1, tag=6)
+    return raises(dist.DistBackendError, "exited", pg.recv, torch.zeros(1), 1)
+
+
+def _sender_that_hosts_the_store(ctx: RankContext, port: int, victim_pid: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False,
+                          timeout=MINUTE)
+    pg = _group(ctx, store, name="dead store host")
+    pg.isend(torch.full((1000,), 3.0), 0, tag=5)  # makes the channel to rank 0 and fills it
+    with open(ctx.store_path("sent"), "w"):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_receivers_of_a_rank_that_died_with_the_store_are_told_it_exited():
+    # The receivers find rank 1's channels by name, not through the dead store: rank 0
+    # still gets what rank 1 sent, and both hear that rank 1 exited, not the store's
+    # "Failed to recv, got 0 bytes".
+    pool = Ranks(3)
+    try:
+        results = pool.run_each([_receiver_of_a_dead_store_host, _sender_that_hosts_the_store,
+                                 _receiver_of_a_dead_store_host], _free_port(), pool.pid(1),
+                                allow_dead=True, timeout=60)
+        pid = pool.pid(1)
+    finally:
+        pool.close()
+    assert isinstance(results[1], Died), results
+    assert (f"rank 0: recv from rank 1 (tag 6, 4 bytes of float32) cannot complete: rank 1 "
+            f"(pid {pid}) exited") in results[0], results
+    assert (f"rank 2: receives from rank 1 cannot complete: rank 1 (pid {pid}) exited before it "
+            "made its channel to this rank") in results[2], results
+
+
 def _destroyed_with_a_pending_send(ctx: RankContext) -> tuple:
     pg = _group(ctx, dist.FileStore(ctx.store_path("pending"), 2), name="pending")
     if ctx.rank == 1:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 #include "common/blob.h"
 #include "common/check.h"
@@ -20,6 +21,7 @@ constexpr auto kLookupPeriod = std::chrono::milliseconds(1);
 // The key of a channel's directory entry that says why its sender could not
 // make it, in place of the channel's geometry.
 constexpr char kUnmadeKey[] = "unmade";
+constexpr char kUnmadeCountKey[] = "unmade_count";  // the sender's failures so far
 
 std::string channelKey(const std::string& lane, int src, int dst) {
   return lane + "/" + std::to_string(src) + "-" + std::to_string(dst);
@@ -60,6 +62,7 @@ ShmMessages::ShmMessages(int rank, int size, size_t slotBytes, int numSlots,
       deadPeer_(std::move(deadPeer)),
       gaveUp_(std::move(gaveUp)),
       outs_(size),
+      unmade_(size),
       ins_(size) {}
 
 ShmMessages::~ShmMessages() {
@@ -115,18 +118,22 @@ char* ShmMessages::slot(ChannelHeader* h, uint64_t piece) const {
 ShmMessages::Out& ShmMessages::out(int peer) {
   if (outs_[peer]) return *outs_[peer];
   auto o = std::make_unique<Out>();
-  const size_t bytes =
-      sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
+  const size_t bytes = channelBytes();
   // Every peer can name it: if this rank dies before dst mapped (and
   // unlinked) it, a survivor removes it (reclaimDead()).
   try {
     o->segment = Segment::create(channelName_(rank_, peer), bytes, who());
   } catch (const std::exception& e) {
     // dst's receives from this rank would wait for a channel that is not
-    // coming (/dev/shm full): they fail with the reason (connect()).
+    // coming (/dev/shm full): they fail with the reason (connect()). Each
+    // failure is numbered, so that dst fails the receives it has posted
+    // once per failure, not every receive until a send makes the channel.
     try {
       directory_->publish(channelKey(lane_, rank_, peer),
-                          BlobWriter().put(kUnmadeKey, bare(messageOf(e))).str());
+                          BlobWriter()
+                              .put(kUnmadeKey, bare(messageOf(e)))
+                              .put(kUnmadeCountKey, ++unmade_[peer])
+                              .str());
     } catch (const std::exception&) {
       // The store is gone too: dst's receives time out instead.
     }
@@ -154,6 +161,11 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   return *outs_[peer];
 }
 
+size_t ShmMessages::channelBytes() const {
+  return sizeof(ChannelHeader) +
+      static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
+}
+
 ShmMessages::In& ShmMessages::in(int peer) {
   if (!ins_[peer]) ins_[peer] = std::make_unique<In>();
   return *ins_[peer];
@@ -163,38 +175,56 @@ bool ShmMessages::connect(int peer, In& in) {
   const auto now = Clock::now();
   if (now < in.nextLookup) return false;
   in.nextLookup = now + kLookupPeriod;
-  const auto blob = directory_->lookup(channelKey(lane_, peer, rank_));
-  if (!blob) return false;
   const std::string what = "rank " + std::to_string(peer) + "'s channel to " + who();
-  const BlobReader r(*blob, what);
-  if (r.has(kUnmadeKey)) {
-    // The sender could not make it, so the messages of its failed sends
-    // will not come: the receives posted now fail. The channel stays
-    // unmapped, for a later send that makes it.
-    for (auto& [id, op] : ops_) {
-      if (!op.send && op.peer == peer) {
-        finish(id, op, State::Failed, who() + ": " + describe(op) + " cannot complete: rank " +
-                   std::to_string(peer) + " could not make its channel to this rank: " +
-                   r.str(kUnmadeKey));
+  // A dead sender's channel is looked for by its name alone: the store may
+  // have died with it (it hosted it), and what it posted before it died is
+  // still good. A channel it never made, or did not finish making, fails
+  // the receives with its death.
+  const std::string dead = deadPeer_(peer);
+  if (dead.empty()) {
+    const auto blob = directory_->lookup(channelKey(lane_, peer, rank_));
+    if (!blob) return false;
+    const BlobReader r(*blob, what);
+    if (r.has(kUnmadeKey)) {
+      // The sender could not make it, so the messages of its failed sends
+      // will not come: the receives posted now fail, once per failure. The
+      // channel stays unmapped, for a later send that makes it.
+      const auto count = r.get<uint64_t>(kUnmadeCountKey);
+      if (count <= in.unmadeSeen) return false;
+      in.unmadeSeen = count;
+      for (auto& [id, op] : ops_) {
+        if (!op.send && op.peer == peer) {
+          finish(id, op, State::Failed, who() + ": " + describe(op) + " cannot complete: rank " +
+                     std::to_string(peer) + " could not make its channel to this rank: " +
+                     r.str(kUnmadeKey));
+        }
       }
+      return false;
     }
-    return false;
+    const auto bytes = r.get<size_t>("bytes");
+    const auto slotBytes = r.get<size_t>("slot_bytes");
+    const auto numSlots = r.get<int>("num_slots");
+    PYDDP_CHECK(slotBytes == slotBytes_ && numSlots == numSlots_ && bytes == channelBytes(),
+                who(), ": ", what, " has another geometry (", bytes, " bytes, ", numSlots,
+                " slots of ", slotBytes, " bytes): set PYDDP_SLOT_BYTES and PYDDP_NUM_SLOTS "
+                "alike on all ranks");
   }
-  const auto bytes = r.get<size_t>("bytes");
-  const auto slotBytes = r.get<size_t>("slot_bytes");
-  const auto numSlots = r.get<int>("num_slots");
-  PYDDP_CHECK(slotBytes == slotBytes_ && numSlots == numSlots_ &&
-                  bytes == sizeof(ChannelHeader) +
-                      static_cast<size_t>(numSlots) * (sizeof(PieceHeader) + slotBytes),
-              who(), ": ", what, " has another geometry (", bytes, " bytes, ", numSlots,
-              " slots of ", slotBytes, " bytes): set PYDDP_SLOT_BYTES and PYDDP_NUM_SLOTS "
-              "alike on all ranks");
-  in.segment = Segment::open(channelName_(peer, rank_), bytes, /*writable=*/true, who());
+  const std::string unmade = who() + ": receives from rank " + std::to_string(peer) +
+      " cannot complete: " + dead + " before it made its channel to this rank";
+  try {
+    in.segment = Segment::open(channelName_(peer, rank_), channelBytes(), /*writable=*/true,
+                               who());
+  } catch (const std::exception&) {
+    if (!dead.empty()) throw std::runtime_error(unmade);
+    throw;
+  }
   Segment::remove(in.segment.name());  // both ends have it mapped now
   auto* h = static_cast<ChannelHeader*>(in.segment.base());
-  PYDDP_CHECK(h->magic == kChannelMagic && h->layoutVersion == kChannelLayoutVersion &&
-                  h->src == peer && h->dst == rank_,
-              who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
+  const bool whole = h->magic == kChannelMagic && h->layoutVersion == kChannelLayoutVersion &&
+      h->src == peer && h->dst == rank_ && h->numSlots == numSlots_ &&
+      h->slotBytes == slotBytes_;
+  if (!whole && !dead.empty()) throw std::runtime_error(unmade);
+  PYDDP_CHECK(whole, who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
   in.header = h;
   return true;
 }
@@ -491,7 +521,7 @@ bool ShmMessages::progressIn(int peer, In& in) {
     try {
       connected = connect(peer, in);
     } catch (const std::exception& e) {
-      failIn(peer, in, messageOf(e), false);
+      failIn(peer, in, bare(messageOf(e)), false);
       return true;
     }
     if (!connected) return false;

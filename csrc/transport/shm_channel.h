@@ -233,6 +233,7 @@ class ShmMessages final : public MessageLink {
     size_t pending = 0;        // receives from this peer not finished
     bool failed = false;
     std::string failure;
+    uint64_t unmadeSeen = 0;  // the sender's failures to make it that failed receives
   };
 
   char* slot(ChannelHeader* h, uint64_t piece) const;
@@ -242,6 +243,7 @@ class ShmMessages final : public MessageLink {
   // Channel ends, made on first use. mu_ held.
   Out& out(int peer);
   In& in(int peer);
+  size_t channelBytes() const;
   bool connect(int peer, In& in);
 
   bool progressOut(int peer, Out& out);
@@ -304,6 +306,7 @@ class ShmMessages final : public MessageLink {
   uint64_t nextId_ = 1;
   std::unordered_map<uint64_t, Op> ops_;
   std::vector<std::unique_ptr<Out>> outs_;  // by peer, made on first use
+  std::vector<uint64_t> unmade_;  // by peer: channels this rank failed to make, so far
   std::vector<std::unique_ptr<In>> ins_;
   // Receives from any source not matched yet, in post order (their Op's
   // peer is kAnySource until matched).
