@@ -27,7 +27,7 @@ P2pExecutor::P2pExecutor(int rank, MessageLink& link)
 }
 
 P2pExecutor::~P2pExecutor() {
-  shutdown("rank " + std::to_string(rank_) + ": the process group was destroyed");
+  shutdown(teardownReason(rank_, ""));
 }
 
 void P2pExecutor::shutdown(const std::string& why) {

@@ -70,7 +70,7 @@ ShmMessages::~ShmMessages() {
 }
 
 void ShmMessages::close() {
-  abort("rank " + std::to_string(rank_) + ": the process group was destroyed");
+  abort(teardownReason(rank_, ""));
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
   closed_ = true;
