@@ -359,6 +359,20 @@ def test_summary_is_baseline_time_over_backend_time():
     assert summary(results, ["pyddp", "mpi"], "nccl") is None
 
 
+def test_render_compares_every_peer_with_mpi_when_it_ran():
+    results = [_result("gloo", 4096, 100.0), _result("pyddp", 4096, 20.0),
+               _result("mpi", 4096, 30.0), _result("limit", 4096, 10.0)]
+    text = render(results, [], ["all_reduce"], ["pyddp", "gloo", "mpi", "limit"],
+                  {"cpu": "gloo"}, checked=True)
+    block = text.split("# summary: all_reduce on cpu, speed-up over mpi")[1].split("\n\n")[0]
+    rows = {line.split()[0]: line.split()[1:] for line in block.splitlines()[2:]}
+    # MPI time / pyddp time, then over gloo and the limit row
+    assert rows["4096"] == ["30.0", "1.50x", "0.30x", "3.00x"], block
+    without = render([r for r in results if r.peer != "mpi"], [], ["all_reduce"],
+                     ["pyddp", "gloo", "limit"], {"cpu": "gloo"}, checked=True)
+    assert "speed-up over mpi" not in without
+
+
 def test_render_lists_skips_and_unchecked_runs():
     skipped = [Skipped("nccl", None, "no CUDA device"),
                Skipped("deepspeed", "all_gather", "all_reduce only")]

@@ -719,3 +719,7 @@ BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 
 CEILINGS = {"cpu": LimitPeer.name}
 """The peer that measures a device's limit, which every other peer is compared with too."""
+
+RIVALS = {"cpu": "mpi"}
+"""The fastest other library on a device, which every other peer is compared with too when
+it ran: the summary's "speed-up over mpi" is MPI time / peer time."""

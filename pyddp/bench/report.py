@@ -12,7 +12,7 @@ import torch
 
 from pyddp.bench.across_hosts import flat_ring_inter_host_bytes, hierarchical_inter_host_bytes
 from pyddp.bench.metrics import Result, Skipped
-from pyddp.bench.peers import CEILINGS
+from pyddp.bench.peers import CEILINGS, RIVALS
 
 _ROW = "{:>12}  {:>12}  {:>8}  {:>6}  {:>4}  {:>11}  {:>12}  {:>12}  {:>7}"
 
@@ -82,9 +82,10 @@ def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[
             rows = [r for r in of_op if r.peer == name]
             if rows:
                 blocks.append(table(rows))
-        # Against the baseline, then against the ceiling (below 1: the share of the
-        # machine's memory speed a peer reaches).
-        for device, baseline in [*baselines.items(), *CEILINGS.items()]:
+        # Against the baseline, the rival library when it ran (MPI time / peer time),
+        # then the ceiling (below 1: the share of the machine's memory speed a peer
+        # reaches).
+        for device, baseline in [*baselines.items(), *RIVALS.items(), *CEILINGS.items()]:
             text = summary([r for r in of_op if r.device == device], peers, baseline)
             if text is not None:
                 blocks.append(text)
