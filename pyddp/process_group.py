@@ -307,15 +307,20 @@ class ProcessGroup:
                             f"tensors, got {type(ts).__name__}")
         return [self._tensor(t, call, f"{what} entry") for t in ts]
 
+    def _integral(self, value: object, call: str, what: str, meaning: str = "") -> int:
+        """``value`` as an int when it is any integral but a bool (an int, numpy.int64, ...),
+        as torch takes ranks and tags; else TypeError naming ``what`` (and its ``meaning``)."""
+        if not isinstance(value, bool):
+            try:
+                return operator.index(value)
+            except TypeError:
+                pass
+        raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int{meaning}, "
+                        f"got {value!r}")
+
     def _rank_arg(self, value: object, call: str, what: str) -> int:
-        """A rank of this group given as any integral (an int, numpy.int64, ...), as torch takes it."""
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            rank = operator.index(value)
-        except TypeError:
-            raise TypeError(f"pyddp: rank {self._rank}: {call}: {what} must be an int (a rank "
-                            f"of this group), got {value!r}") from None
+        """A rank of this group."""
+        rank = self._integral(value, call, what, " (a rank of this group)")
         if not 0 <= rank < self._world_size:
             raise ValueError(f"pyddp: rank {self._rank}: {call}: {what}={rank} is not a rank of "
                              f"this group (world_size {self._world_size})")
@@ -324,13 +329,7 @@ class ProcessGroup:
     def _tag_arg(self, value: object, call: str) -> int:
         """A point-to-point tag: a 32-bit int, as torch.distributed's (the collectives' own
         messages carry tags below every such int, so no user message can take theirs)."""
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            tag = operator.index(value)
-        except TypeError:
-            raise TypeError(f"pyddp: rank {self._rank}: {call}: tag must be an int, got "
-                            f"{value!r}") from None
+        tag = self._integral(value, call, "tag")
         if not _TAG_MIN <= tag <= _TAG_MAX:
             raise ValueError(f"pyddp: rank {self._rank}: {call}: tag={tag} is not a 32-bit int "
                              f"(tags range from {_TAG_MIN} to {_TAG_MAX}, as "
