@@ -15,6 +15,21 @@ WorkPtr Engine::allReduceSparse(const at::Tensor&, RedOp, const CallOptions&) {
   refuse("allreduce_sparse");
 }
 
+Engine::SparseStart Engine::startSparse(const at::Tensor& tensor, RedOp op,
+                                        const CallOptions& call) {
+  const char* name = "all_reduce";
+  const at::Tensor input = sparse::coalescedInput(tensor, op, rank_, device_, name);
+  const at::Tensor headers = at::empty({size_ * sparse::kHeaderWords}, at::kLong);
+  // A synchronous call the executor queues (behind work still running)
+  // returns its Work: done once that Work is.
+  const WorkPtr gathered =
+      allGatherSingle(headers, sparse::headerOf(input), CallOptions{false, call.timeout, true});
+  if (gathered) gathered->wait();
+  sparse::Blocks blocks = sparse::plan(headers, rank_, size_, name);
+  at::Tensor packed = sparse::pack(input, blocks.bytes);
+  return {std::move(blocks), std::move(packed)};
+}
+
 WorkPtr Engine::reduceTo(const at::Tensor&, RedOp, int, const CallOptions&) {
   refuse("reduce");
 }

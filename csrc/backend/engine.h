@@ -15,6 +15,7 @@
 #include "backend/arg_checks.h"
 #include "backend/executor.h"
 #include "backend/refusing_backend.h"
+#include "backend/sparse.h"
 #include "common/types.h"
 
 namespace pyddp {
@@ -153,6 +154,16 @@ class Engine : public RefusingBackend {
  protected:
   // The executor that numbers this engine's collectives.
   virtual const Executor& executor() const = 0;
+
+  // A sparse all-reduce's first all-gather (backend/sparse.h), as every
+  // engine runs it: `tensor` coalesced and every rank's header gathered
+  // through allGatherSingle, run to the end before this returns. The
+  // caller queues the blocks' all-gather next, with nothing between.
+  struct SparseStart {
+    sparse::Blocks blocks;
+    at::Tensor packed;  // this rank's block, blocks.bytes long
+  };
+  SparseStart startSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call);
 
   const c10::Device device_;
   const std::string transport_;

@@ -44,8 +44,10 @@ struct Collective {
 
 // What every entry point takes besides its tensors, as c10d's options do.
 struct CallOptions {
-  // Return the Work at once; else once done (on a CUDA device: once the
-  // caller's current stream waits for it).
+  // The caller waits for the Work itself; else the call is done when the
+  // entry point returns (on a CUDA device: the caller's current stream
+  // waits for it), or, when it returns a Work the executor queued behind
+  // running work, once that Work is.
   bool asyncOp = false;
   // Bounds this call's waits; c10d::kUnsetTimeout: the group's timeout.
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout;
@@ -62,8 +64,9 @@ class Executor {
   using FinishRef = c10::function_ref<void()>;
 
   virtual ~Executor() = default;
-  // Runs or queues c; returns its Work at once when call.asyncOp, else once
-  // done (or null, when call.workless allows it).
+  // Runs or queues c and returns its Work: done when it ran on the calling
+  // thread (or null, when call.workless allows it), pending when it was
+  // queued, which a synchronous caller then waits for.
   virtual c10::intrusive_ptr<c10d::Work> submit(Collective c, const CallOptions& call) = 0;
   // The small-message path: a workless synchronous call that this executor
   // would run at once on the caller's thread runs here, borrowing its

@@ -438,15 +438,9 @@ WorkPtr HierarchicalEngine::allReduce(const at::Tensor& tensor, RedOp op,
 
 WorkPtr HierarchicalEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
                                             const CallOptions& call) {
-  const char* name = "all_reduce";
-  const at::Tensor input = sparse::coalescedInput(tensor, op, rank_, device_, name);
-  // As RingEngine's: the headers first, then the blocks, queued at once.
-  const at::Tensor headers = at::empty({size_ * sparse::kHeaderWords}, at::kLong);
-  const WorkPtr gathered =
-      allGatherSingle(headers, sparse::headerOf(input), CallOptions{false, call.timeout, true});
-  if (gathered) gathered->wait();
-  const sparse::Blocks b = sparse::plan(headers, rank_, size_, name);
-  const at::Tensor in = sparse::pack(input, b.bytes);
+  const SparseStart start = startSparse(tensor, op, call);
+  const sparse::Blocks b = start.blocks;
+  const at::Tensor in = start.packed;
   const at::Tensor out = at::empty({size_ * b.bytes}, at::kByte);
   return submit(makeDesc(CollectiveKind::AllGather, b.bytes, DataType::UInt8), {tensor},
                 {in, out},
@@ -701,24 +695,22 @@ WorkPtr HierarchicalEngine::allGatherCoalesced(const std::vector<at::Tensor>& ou
   const char* name = "all_gather_into_tensor_coalesced";
   const DataType dtype = checks_.sameType(inputs, name, "input", false);
   checks_.sameType(outputs, name, "output", true);
-  const Packed p = packAllGather(outputs, inputs, size_);
-  return submit(makeDesc(CollectiveKind::AllGather, p.input.numel(), dtype), outputs,
-                {p.input, p.output},
-                [=, this] {
-                  allGatherSteps(p.output, p.input);
-                  p.unpack();
-                },
-                call);
+  return allGatherPacked(packAllGather(outputs, inputs, size_), dtype, outputs, call);
 }
 
 WorkPtr HierarchicalEngine::allGatherCoalescedLists(
     const std::vector<std::vector<at::Tensor>>& outputLists,
     const std::vector<at::Tensor>& inputs, const CallOptions& call) {
   const DataType dtype = checks_.coalescedLists(outputLists, inputs, "all_gather_coalesced");
-  const Packed p = packAllGatherLists(outputLists, inputs, size_);
   std::vector<at::Tensor> outputs;
   for (const auto& list : outputLists) outputs.insert(outputs.end(), list.begin(), list.end());
-  return submit(makeDesc(CollectiveKind::AllGather, p.input.numel(), dtype), outputs,
+  return allGatherPacked(packAllGatherLists(outputLists, inputs, size_), dtype, outputs, call);
+}
+
+WorkPtr HierarchicalEngine::allGatherPacked(const Packed& p, DataType dtype,
+                                            std::vector<at::Tensor> outputs,
+                                            const CallOptions& call) {
+  return submit(makeDesc(CollectiveKind::AllGather, p.input.numel(), dtype), std::move(outputs),
                 {p.input, p.output},
                 [=, this] {
                   allGatherSteps(p.output, p.input);

@@ -46,6 +46,7 @@ namespace pyddp {
 
 class CpuExecutor;
 class RingEngine;
+struct Packed;
 
 // Makes a gloo group of `size` ranks on `store` (torch's ProcessGroupGloo,
 // which this extension cannot construct itself: gloo's headers do not ship
@@ -125,6 +126,9 @@ class HierarchicalEngine final : public Engine {
   // The steps, on contiguous buffers; op is never AVG (the caller divides).
   void allReduceSteps(const at::Tensor& buf, RedOp op);
   void allGatherSteps(const at::Tensor& out, const at::Tensor& in);
+  // The coalesced all-gathers, once packed (backend/coalesce.h).
+  WorkPtr allGatherPacked(const Packed& p, DataType dtype, std::vector<at::Tensor> outputs,
+                          const CallOptions& call);
   void broadcastSteps(const at::Tensor& buf, int src);
   // Flat-gloo collectives on the executor, for what does not compose.
   WorkPtr onFlat(CollectiveDesc desc, std::vector<at::Tensor> outputs,

@@ -259,19 +259,10 @@ WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOpti
 
 WorkPtr RingEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
                                     const CallOptions& call) {
-  const char* name = "all_reduce";
-  const at::Tensor input = sparse::coalescedInput(tensor, op, rank_, device_, name);
-  // The headers' all-gather is done before the blocks' is queued, so that
-  // every rank knows the blocks' size; nothing is issued between the two.
-  const at::Tensor headers = at::empty({size_ * sparse::kHeaderWords}, at::kLong);
-  // A synchronous call the executor queues (behind work still running)
-  // returns its Work: done once that Work is.
-  const WorkPtr gathered =
-      allGatherSingle(headers, sparse::headerOf(input), CallOptions{false, call.timeout, true});
-  if (gathered) gathered->wait();
-  const sparse::Blocks b = sparse::plan(headers, rank_, size_, name);
+  const SparseStart start = startSparse(tensor, op, call);
+  const sparse::Blocks b = start.blocks;
   const at::Tensor out = at::empty({size_ * b.bytes}, at::kByte);
-  return allGatherFlat(sparse::pack(input, b.bytes), out, DataType::UInt8,
+  return allGatherFlat(start.packed, out, DataType::UInt8,
                        static_cast<size_t>(b.bytes), {tensor},
                        [=] { tensor.copy_(sparse::sum(out, b)); }, call);
 }
