@@ -446,7 +446,11 @@ def _any_source(ctx: RankContext, group: str, post_order: bool = True) -> None:
         works = [pg.irecv(b, tag=7) for b in bufs]
     pg.barrier()
     if r > 0:
-        pg.send(torch.full((4,), r, dtype=torch.int64), 0, tag=7)
+        sent = pg.isend(torch.full((4,), r, dtype=torch.int64), 0, tag=7)
+        sent.wait()
+        # A send has no source rank, as gloo's (torch's Work refuses the question).
+        with pytest.raises(RuntimeError, match="sourceRank"):
+            sent._source_rank()
     else:
         sources = []
         for w, b in zip(works, bufs):

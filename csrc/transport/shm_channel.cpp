@@ -276,7 +276,7 @@ int ShmMessages::sourceOf(uint64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = ops_.find(id);
   PYDDP_CHECK(it != ops_.end(), who(), ": no message operation #", id);
-  return it->second.peer;
+  return it->second.send ? kAnySource : it->second.peer;
 }
 
 void ShmMessages::finish(uint64_t id, Op& op, State state, const std::string& why) {

@@ -152,7 +152,8 @@ class MessageLink {
   // `peer` is a rank, or kAnySource.
   virtual uint64_t postRecv(int peer, int64_t tag, DataType dtype, void* data, size_t bytes,
                             Clock::time_point deadline) = 0;
-  // The rank a receive took its message from; -1 while it has none.
+  // The rank a receive took its message from; -1 while it has none, and
+  // for a send.
   virtual int sourceOf(uint64_t id) = 0;
   // Moves what can move now; returns whether anything did (waiters back
   // off when nothing does).
