@@ -4,7 +4,8 @@
 // errors reads pyddp's.
 //
 // Protocol, for one call (every rank of the group calls it in the same
-// order, as any collective):
+// order, as any collective; a rank that skipped one, as the faulty rank of
+// a failed barrier did, is a call behind the others from then on):
 //   arrive   every rank r != 0 sends rank 0 one token;
 //   judge    rank 0 takes the tokens in rank order, all bounded by one
 //            deadline (start + timeout): the first rank whose token did not
