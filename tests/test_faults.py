@@ -193,6 +193,9 @@ def _sender_that_hosts_the_store(ctx: RankContext, port: int, victim_pid: int) -
                           timeout=MINUTE)
     pg = _group(ctx, store, name="dead store host")
     pg.isend(torch.full((1000,), 3.0), 0, tag=5)  # makes the channel to rank 0 and fills it
+    # The send completes only once rank 0 takes it: the progress thread posts the message
+    # within milliseconds (even under a sanitizer); a second leaves it ample room.
+    time.sleep(1.0)
     with open(ctx.store_path("sent"), "w"):
         pass
     os.kill(os.getpid(), signal.SIGKILL)
