@@ -5,8 +5,8 @@ spawned CPU ranks, every rank's resources sampled, failing if any grows after wa
 
 Every cycle, on every rank and in the same order: all_reduce, all_gather,
 broadcast (the root turns), reduce_scatter, all_to_all, a ring of
-point-to-point exchanges (batch_isend_irecv) and an asynchronous barrier on the
-default group, then two tagged messages to the next rank received in the
+point-to-point exchanges (batch_isend_irecv), an asynchronous barrier and a
+monitored barrier on the default group, then two tagged messages to the next rank received in the
 opposite order, each checked against the value it must have; one training step
 of pyddp's DistributedDataParallel; a new group of every rank created, used for
 an all_reduce and destroyed; and a subgroup of every rank but one (the one left
@@ -60,6 +60,10 @@ seconds."""
 
 SIZES = (1, 1024, 256 * 1024)
 """float32 elements of the cycle's messages, in turn: 4 B, 4 KiB, 1 MiB."""
+
+MONITORED_TIMEOUT = datetime.timedelta(seconds=60)
+"""The cycle's monitored barrier's: every rank comes within the cycle, so only a stuck rank
+reaches it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +228,8 @@ def _cycle(pg, cycle: int) -> None:
         work.wait()
 
     pg.barrier(async_op=True).wait()
+    # Each call takes two tags of its own: nothing may grow with them.
+    pg.monitored_barrier(MONITORED_TIMEOUT)
 
 
 def _group_cycle(members: List[int], rank: int, size: int) -> None:
