@@ -87,9 +87,14 @@ at::Tensor pack(const at::Tensor& coalesced, int64_t bytes) {
   at::Tensor block = at::zeros({bytes}, at::kByte);
   const at::Tensor indices = coalesced._indices().contiguous();
   const at::Tensor values = coalesced._values().contiguous();
-  auto* to = static_cast<char*>(block.data_ptr());
-  std::memcpy(to, indices.const_data_ptr(), indices.nbytes());
-  std::memcpy(to + indices.nbytes(), values.const_data_ptr(), values.nbytes());
+  // A tensor without elements (no nonzeros, or a block of 0 bytes) may have
+  // no data at all, and memcpy takes no null pointer, even for 0 bytes.
+  if (indices.nbytes() > 0) std::memcpy(block.data_ptr(), indices.const_data_ptr(),
+                                        indices.nbytes());
+  if (values.nbytes() > 0) {
+    std::memcpy(static_cast<char*>(block.data_ptr()) + indices.nbytes(),
+                values.const_data_ptr(), values.nbytes());
+  }
   return block;
 }
 
