@@ -209,13 +209,16 @@ bool ShmMessages::connect(int peer, In& in) {
                 " slots of ", slotBytes, " bytes): set PYDDP_SLOT_BYTES and PYDDP_NUM_SLOTS "
                 "alike on all ranks");
   }
-  const std::string unmade = who() + ": receives from rank " + std::to_string(peer) +
-      " cannot complete: " + dead + " before it made its channel to this rank";
+  const auto unmade = [&] {
+    return std::runtime_error(who() + ": receives from rank " + std::to_string(peer) +
+                              " cannot complete: " + dead +
+                              " before it made its channel to this rank");
+  };
   try {
     in.segment = Segment::open(channelName_(peer, rank_), channelBytes(), /*writable=*/true,
                                who());
   } catch (const std::exception&) {
-    if (!dead.empty()) throw std::runtime_error(unmade);
+    if (!dead.empty()) throw unmade();
     throw;
   }
   Segment::remove(in.segment.name());  // both ends have it mapped now
@@ -223,7 +226,7 @@ bool ShmMessages::connect(int peer, In& in) {
   const bool whole = h->magic == kChannelMagic && h->layoutVersion == kChannelLayoutVersion &&
       h->src == peer && h->dst == rank_ && h->numSlots == numSlots_ &&
       h->slotBytes == slotBytes_;
-  if (!whole && !dead.empty()) throw std::runtime_error(unmade);
+  if (!whole && !dead.empty()) throw unmade();
   PYDDP_CHECK(whole, who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
   in.header = h;
   return true;
