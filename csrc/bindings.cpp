@@ -423,6 +423,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("work"), py::arg("timeout"),
       "work.wait(timeout) (0: no limit), interruptible by Python's signal handlers.");
+  m.def("shut_down_live_engines", &shutDownLiveEngines, release,
+        "Shuts down every engine made for a group that is still alive, torch.distributed's "
+        "groups of the \"pyddp\" backend among them (pyddp calls it at exit).");
   m.def("join_stopped_workers", &joinStoppedWorkers, release,
         "Joins CPU workers stopped from their own future callbacks (pyddp calls it at exit).");
 

@@ -15,7 +15,6 @@ import datetime
 import itertools
 import logging
 import operator
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -60,20 +59,17 @@ _TAG_MIN, _TAG_MAX = -2**31, 2**31 - 1
 # re-create groups on one store.
 _group_ids = itertools.count()
 _default_group: Optional["ProcessGroup"] = None
-# Groups not yet shut down, for the exit hook.
-_live_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 
 @atexit.register
 def _shut_down_at_exit() -> None:
-    """Before the interpreter finalises: shuts down every live group (peers
-    waiting on this rank fail at once) and joins the worker threads, which
-    may still be releasing Python objects (a future callback that destroyed
-    its own group leaves its worker to be joined here). A thread that takes
-    the GIL once finalisation has begun is ended in a way that aborts the
-    process."""
-    for group in list(_live_groups):
-        group.shutdown()
+    """Before the interpreter finalises: shuts down every live engine, of pyddp's groups
+    and of torch.distributed's "pyddp" groups alike (peers waiting on this rank fail at
+    once, and its channels leave /dev/shm), and joins the worker threads, which may
+    still be releasing Python objects (a future callback that destroyed its own group
+    leaves its worker to be joined here). A thread that takes the GIL once finalisation
+    has begun is ended in a way that aborts the process."""
+    _C.shut_down_live_engines()
     _C.join_stopped_workers()
 
 
@@ -190,7 +186,6 @@ class ProcessGroup:
             self._make_engine(torch.device("cpu"))
         else:
             self._make_engine(self._cuda_device())
-        _live_groups.add(self)
 
     def _make_engine(self, device: torch.device) -> _C.Engine:
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
@@ -585,7 +580,6 @@ class ProcessGroup:
         rank fail at once, saying that it destroyed its group."""
         for engine in self._engines.values():
             engine.shutdown()
-        _live_groups.discard(self)
 
     def __del__(self) -> None:
         # Join the worker here, where the binding releases the GIL: a last

@@ -1,9 +1,52 @@
 #include "backend/engine.h"
 
+#include <algorithm>
+#include <mutex>
+
 #include "backend/torch_types.h"
 #include "common/check.h"
 
 namespace pyddp {
+
+namespace {
+
+// Weak: a group the program destroys or drops goes as it would untracked;
+// its entry is pruned at the next trackEngine().
+struct LiveEngines {
+  std::mutex mu;
+  std::vector<c10::weak_intrusive_ptr<Engine>> engines;
+};
+
+LiveEngines& liveEngines() {
+  static auto* live = new LiveEngines();  // never destroyed: engines may outlive statics
+  return *live;
+}
+
+} // namespace
+
+void trackEngine(const c10::intrusive_ptr<Engine>& engine) {
+  LiveEngines& live = liveEngines();
+  std::lock_guard<std::mutex> lock(live.mu);
+  auto& engines = live.engines;
+  engines.erase(std::remove_if(engines.begin(), engines.end(),
+                               [](const auto& e) { return e.expired(); }),
+                engines.end());
+  engines.emplace_back(engine);
+}
+
+void shutDownLiveEngines() {
+  std::vector<c10::intrusive_ptr<Engine>> alive;
+  {
+    LiveEngines& live = liveEngines();
+    std::lock_guard<std::mutex> lock(live.mu);
+    for (const auto& e : live.engines) {
+      if (auto engine = e.lock()) alive.push_back(std::move(engine));
+    }
+    live.engines.clear();
+  }
+  // Outside the lock: a shutdown may run callbacks that make groups.
+  for (const auto& engine : alive) engine->shutdown();
+}
 
 Engine::Engine(int rank, int size, c10::Device device, std::string transport)
     : RefusingBackend(rank, size, "pyddp's " + transport + " engine"),

@@ -177,4 +177,14 @@ class Engine : public RefusingBackend {
   RedOp redOp(const c10d::ReduceOp& op, const char* call) const;
 };
 
+// Every engine makeEngine() made that is still alive, for the exit hook:
+// pyddp shuts them all down before the interpreter finalises. torch does
+// not always destroy the groups a program leaves behind (under torch 2.14
+// they live to the end of the process), and an engine never shut down
+// leaves its channels in /dev/shm, which its peers reclaim only if they
+// outlive it.
+void trackEngine(const c10::intrusive_ptr<Engine>& engine);
+// Shuts down every tracked engine still alive (Engine::shutdown; idempotent).
+void shutDownLiveEngines();
+
 } // namespace pyddp

@@ -161,6 +161,7 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
         store);
     try {
       choice.engine = make(*c, prefixed, rank, size, options, device, hosts, gloo);
+      trackEngine(choice.engine);
       if (c->engine == EngineKind::Hierarchical) {
         choice.layout = static_cast<HierarchicalEngine&>(*choice.engine).describeLayout();
       }
