@@ -170,6 +170,15 @@ def _all_gather_cases(ctx: RankContext, group: str) -> None:
                 pg.all_gather(outs, inputs[ctx.rank].to(dev, copy=True))
                 for r in range(n):
                     check_equal(outs[r].cpu(), inputs[r], f"all_gather {dtype} count={count} [{r}]")
+            # The input as a block of the output: this rank's (in place), or a peer's,
+            # which the peer's block overwrites (it must be read before).
+            for b in (ctx.rank, (ctx.rank + 1) % n):
+                out = torch.full((n * count,), 5, dtype=dtype, device=dev)
+                block = out[b * count:(b + 1) * count]
+                block.copy_(inputs[ctx.rank])
+                pg.all_gather_single(out, block)
+                check_equal(out.cpu(), expected,
+                            f"all_gather_single {dtype} count={count} from block {b}")
 
 
 def _broadcast_cases(ctx: RankContext, group: str) -> None:
@@ -412,7 +421,7 @@ def test_bitwise_ops_refuse_floating_tensors(ranks):
     ranks.run(_bitwise_ops_refuse_floating_tensors)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct"])
 def test_all_gather_every_dtype(ranks, group):
     ranks.run(_all_gather_cases, group)
 

@@ -207,13 +207,14 @@ void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void*
     ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     rounds.exchange();
-    // every peer's chunk into its block
+    // every rank's chunk into its block, mine from where I staged it: my
+    // input may be a peer's block, which its chunk has just overwritten
     for (int k = 0; k < c.worldSize; ++k) {
-      if (k != c.rank) ops.copy(at(outBlocks[k], begin, es), mem.peerBuffer(k), n * es);
+      if (k != c.rank || outBlocks[k] != in) {
+        ops.copy(at(outBlocks[k], begin, es), mem.peerBuffer(k), n * es);
+      }
     }
   }
-  // my own block needs no transport (copied last: the peers need not wait for it)
-  ops.copy(outBlocks[c.rank], in, blockCount * es);
 }
 
 void ringReduceScatter(const Call& c, const kernels::ReduceSpec& spec,
