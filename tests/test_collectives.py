@@ -93,6 +93,14 @@ def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
                 out = torch.full((count,), 7, dtype=dtype, device=dev)
                 pg.reduce_scatter_single(out, inputs[ctx.rank].to(dev, copy=True), op)
                 check_equal(out.cpu(), expected, f"reduce_scatter {dtype} {op} count={count} rep={rep}")
+            # The output as a block of the input: this rank's (in place), or a peer's,
+            # which this rank's result overwrites (the peers must have read it).
+            for b in (ctx.rank, (ctx.rank + 1) % n):
+                whole = inputs[ctx.rank].to(dev, copy=True)
+                out = whole[b * count:(b + 1) * count]
+                pg.reduce_scatter_single(out, whole, op)
+                check_equal(out.cpu(), expected,
+                            f"reduce_scatter {dtype} {op} count={count} into block {b}")
 
 
 def _bitwise_cases(ctx: RankContext, group: str) -> None:
@@ -407,7 +415,7 @@ def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     ranks.run(_reduce_scatter_cases, group)
 
