@@ -172,15 +172,16 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   const size_t pe = link.pieceBytes() / es;
   // every rank arrived with the same call
   arrive(c);
-  // my own block needs no transport
-  c.transport.local().copy(outBlocks[r], in, blockCount * es);
-  if (n == 1) return;
+  if (n == 1) {
+    c.transport.local().copy(outBlocks[r], in, blockCount * es);
+    return;
+  }
   const size_t pieces = schedule::numPieces(blockCount, pe);
   for (size_t p = 0; p < pieces; ++p) {
     const Range pc = schedule::piece(blockCount, pe, p);
     const size_t bytes = pc.count * es;
-    // step 0: send my block
-    link.send(at(in, pc.begin, es), bytes);
+    // step 0: send my block, and keep it (its piece is read once)
+    link.sendCopy(at(in, pc.begin, es), at(outBlocks[r], pc.begin, es), bytes);
     // steps 1..n-2: keep and forward my left neighbour's block
     for (int step = 0; step < n - 2; ++step) {
       const int b = schedule::recvBlock(r, step, n, 0);

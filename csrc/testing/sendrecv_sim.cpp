@@ -137,6 +137,9 @@ class SimOps final : public SendRecvOps {
   void post(const void* send, size_t sendBytes, void* recv, size_t recvBytes) override {
     net_.group(rank_, send, sendBytes, recv, recvBytes);
   }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (dst != src) std::memcpy(dst, src, bytes);
+  }
   void toPartial(const kernels::ReduceSpec& spec, void* dst, const void* src,
                  size_t count) override {
     kernels::toPartial(spec, dst, src, count);

@@ -334,6 +334,15 @@ void CudaIpcTransport::send(const void* src, size_t bytes) {
   signal({{&header(rank_)->posted.value}, {k + 1}, 1});
 }
 
+void CudaIpcTransport::sendCopy(const void* src, void* dst, size_t bytes) {
+  const uint64_t k = sent_++;
+  WaitList w{};
+  addSendSlotFree(w, k);
+  if (w.n) waitFor(w);
+  kernels::cuda::copy(sendSlot(k), dst == src ? nullptr : dst, src, bytes, stream_);
+  signal({{&header(rank_)->posted.value}, {k + 1}, 1});
+}
+
 void CudaIpcTransport::recv(void* dst, size_t bytes) {
   const uint64_t k = received_++;
   WaitList w{};

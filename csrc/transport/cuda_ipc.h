@@ -63,6 +63,7 @@ class CudaIpcTransport final : public Transport,
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
   void send(const void* src, size_t bytes) override;
+  void sendCopy(const void* src, void* dst, size_t bytes) override;
   void recv(void* dst, size_t bytes) override;
   void recvCopySend(void* dst, size_t bytes) override;
   // Every hop carries partials (sendPartial converts), so a receive reads

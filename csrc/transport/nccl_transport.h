@@ -79,7 +79,7 @@ class NcclTransport final : public Transport, private LocalOps, private sendrecv
   void checkDescriptors();
 
  private:
-  // LocalOps, on the stream
+  // LocalOps (and SendRecvOps' copy), on the stream
   void copy(void* dst, const void* src, size_t bytes) override;
   void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
                size_t count) override;

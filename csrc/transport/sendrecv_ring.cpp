@@ -35,6 +35,11 @@ void SendRecvRing::send(const void* src, size_t bytes) {
   defer(src, bytes);
 }
 
+void SendRecvRing::sendCopy(const void* src, void* dst, size_t bytes) {
+  defer(src, bytes);
+  ops_.copy(dst, src, bytes);
+}
+
 void SendRecvRing::recv(void* dst, size_t bytes) {
   receive(dst, bytes);
 }

@@ -24,7 +24,9 @@ class SendRecvOps {
   // As in NCCL, a send may not complete before its receiver posts the
   // matching receive, of the same size.
   virtual void post(const void* send, size_t sendBytes, void* recv, size_t recvBytes) = 0;
-  // The kernels of kernels/cpu.h (kernels/cuda.h on a GPU).
+  // The kernels of kernels/cpu.h (kernels/cuda.h on a GPU); copy is a
+  // no-op when dst == src.
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void toPartial(const kernels::ReduceSpec& spec, void* dst, const void* src,
                          size_t count) = 0;
   virtual void reducePartial(const kernels::ReduceSpec& spec, void* dst, const void* partial,
@@ -67,6 +69,7 @@ class SendRecvRing final : public RingLink {
 
   size_t pieceBytes() const override { return pieceBytes_; }
   void send(const void* src, size_t bytes) override;
+  void sendCopy(const void* src, void* dst, size_t bytes) override;
   void recv(void* dst, size_t bytes) override;
   void recvCopySend(void* dst, size_t bytes) override;
   // Every hop carries partials (sendPartial converts), so a receive reads

@@ -517,6 +517,15 @@ void ShmTransport::send(const void* src, size_t bytes) {
   postSend();
 }
 
+void ShmTransport::sendCopy(const void* src, void* dst, size_t bytes) {
+  char* slot = claimSendSlot();
+  std::memcpy(slot, src, bytes);
+  postSend();
+  // My copy from the slot, still in this core's cache, while the next rank
+  // reads it: only this rank's later sends rewrite the slot.
+  if (dst != src) std::memcpy(dst, slot, bytes);
+}
+
 void ShmTransport::recv(void* dst, size_t bytes) {
   std::memcpy(dst, awaitRecvSlot(), bytes);
   releaseRecv();

@@ -192,6 +192,7 @@ class ShmTransport final : public Transport,
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
   void send(const void* src, size_t bytes) override;
+  void sendCopy(const void* src, void* dst, size_t bytes) override;
   void recv(void* dst, size_t bytes) override;
   void recvCopySend(void* dst, size_t bytes) override;
   void sendPartial(const kernels::ReduceSpec& spec, const void* local,

@@ -40,6 +40,9 @@ class RingLink {
 
   // Send `bytes` of src.
   virtual void send(const void* src, size_t bytes) = 0;
+  // Send `bytes` of src and copy them to dst (unless dst == src), reading
+  // src once: a rank's own block of an all-gather.
+  virtual void sendCopy(const void* src, void* dst, size_t bytes) = 0;
   // Receive into dst.
   virtual void recv(void* dst, size_t bytes) = 0;
   // Receive into dst and forward the same bytes.
