@@ -267,6 +267,30 @@ def test_torch_ddp_trains_as_on_gloo(ranks):
     assert not np.allclose(on_pyddp[0][0], initial)
 
 
+def _pyddp_mappings() -> int:
+    """How many of pyddp's shared-memory segments this process maps now."""
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/pyddp-" in line for line in maps)
+
+
+def _destroy_unmaps(ctx: RankContext) -> tuple:
+    """A destroyed "pyddp" group's engine goes at once, with its mappings (pyddp keeps a
+    weak reference to every engine for its exit hook; it must not keep one alive)."""
+    before = _pyddp_mappings()
+    group = dist.new_group(backend="pyddp")
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    made = _pyddp_mappings()
+    dist.destroy_process_group(group)
+    del group
+    return made - before, _pyddp_mappings() - before
+
+
+def test_a_destroyed_group_unmaps_its_memory_at_once(ranks):
+    for made, left in ranks.run(_destroy_unmaps):
+        assert made >= ranks.world_size and left == 0, (made, left)
+
+
 def _per_call_timeout(ctx: RankContext) -> str:
     """c10d's per-call timeout bounds that call alone, here far below the group's 60 s."""
     group = dist.new_group(backend="pyddp", timeout=datetime.timedelta(seconds=60))

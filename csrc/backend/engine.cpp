@@ -10,8 +10,11 @@ namespace pyddp {
 
 namespace {
 
-// Weak: a group the program destroys or drops goes as it would untracked;
-// its entry is pruned at the next trackEngine().
+// Weak: a group the program destroys or drops goes as it would untracked.
+// A weak reference would keep the engine from being destroyed (c10 destroys
+// an intrusive_ptr_target once no weak reference is left either, and only
+// calls release_resources() when the last strong one goes): an engine takes
+// its own entry out in release_resources(), so it is destroyed at once.
 struct LiveEngines {
   std::mutex mu;
   std::vector<c10::weak_intrusive_ptr<Engine>> engines;
@@ -27,11 +30,7 @@ LiveEngines& liveEngines() {
 void trackEngine(const c10::intrusive_ptr<Engine>& engine) {
   LiveEngines& live = liveEngines();
   std::lock_guard<std::mutex> lock(live.mu);
-  auto& engines = live.engines;
-  engines.erase(std::remove_if(engines.begin(), engines.end(),
-                               [](const auto& e) { return e.expired(); }),
-                engines.end());
-  engines.emplace_back(engine);
+  live.engines.emplace_back(engine);
 }
 
 void shutDownLiveEngines() {
@@ -46,6 +45,15 @@ void shutDownLiveEngines() {
   }
   // Outside the lock: a shutdown may run callbacks that make groups.
   for (const auto& engine : alive) engine->shutdown();
+}
+
+void Engine::release_resources() {
+  LiveEngines& live = liveEngines();
+  std::lock_guard<std::mutex> lock(live.mu);
+  auto& engines = live.engines;
+  engines.erase(std::remove_if(engines.begin(), engines.end(),
+                               [this](const auto& e) { return e._unsafe_get_target() == this; }),
+                engines.end());
 }
 
 Engine::Engine(int rank, int size, c10::Device device, std::string transport)

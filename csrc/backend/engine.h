@@ -97,6 +97,10 @@ class Engine : public RefusingBackend {
   // Fails what is still pending and releases the engine's resources.
   // Idempotent; safe from a future callback.
   void shutdown() override = 0;
+  // c10 calls it when the last strong reference goes while a weak one
+  // remains (trackEngine's): the engine leaves the list of live engines,
+  // so that it is destroyed now rather than at the next shutDownLiveEngines().
+  void release_resources() override;
 
   // torch.distributed's entry points: one tensor (list) per process, mapped
   // onto the calls above, with c10d's per-call timeout. Operations not
@@ -184,7 +188,8 @@ class Engine : public RefusingBackend {
 // leaves its channels in /dev/shm, which its peers reclaim only if they
 // outlive it.
 void trackEngine(const c10::intrusive_ptr<Engine>& engine);
-// Shuts down every tracked engine still alive (Engine::shutdown; idempotent).
+// Shuts down every tracked engine still alive (Engine::shutdown; idempotent)
+// and forgets them.
 void shutDownLiveEngines();
 
 } // namespace pyddp
