@@ -1,0 +1,154 @@
+"""pyddp beside Open MPI, timed by a plain loop over each library's public Python API.
+
+A check of `python -m pyddp.bench` by other means: no timing loop of the bench,
+no calibration, only ``pyddp.ProcessGroup`` calls and mpi4py calls on the same
+CPU tensors (numpy views for MPI), in rounds that alternate between the two
+libraries so that both see the same load. Every rank checks the result of
+each call once before timing it. Prints, per op and size, each library's
+median time per call over the rounds and the median over rounds of pyddp's
+time / MPI's time measured back to back (below 1: pyddp is faster).
+
+    mpirun --allow-run-as-root -np 2 --bind-to none \\
+        python benchmarks/outside_loop.py [--sizes 4K,1M] [--rounds 8]
+
+Sizes are bytes per rank (all_gather's output and reduce_scatter's input are
+world_size times that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from mpi4py import MPI
+
+import pyddp
+
+OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
+WARMUP_CALLS = 200
+TARGET_SECONDS = 0.05
+"""How long one library's loop of one round runs: long enough that a clock read is
+nothing beside it, short enough that the rounds alternate every few tenths of a second."""
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
+def calls(op: str, nbytes: int, pg: pyddp.ProcessGroup, comm: MPI.Comm
+          ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], Optional[str]]]:
+    """(pyddp's call, MPI's call, a check of both results) for ``op`` on ``nbytes`` per rank."""
+    n, world, rank = nbytes // 4, comm.Get_size(), comm.Get_rank()
+    mine = torch.arange(n, dtype=torch.float32) % 97 + rank
+    if op == "barrier":
+        return pg.barrier, comm.Barrier, lambda: None
+    if op == "all_reduce":
+        t, m = mine.clone(), mine.clone()
+        expected = sum(torch.arange(n, dtype=torch.float32) % 97 + r for r in range(world))
+
+        def check_all_reduce() -> Optional[str]:
+            t.copy_(mine)
+            m.copy_(mine)
+            pg.all_reduce(t)
+            comm.Allreduce(MPI.IN_PLACE, m.numpy())
+            return None if torch.equal(t, expected) and torch.equal(m, expected) else "wrong sum"
+        return (lambda: pg.all_reduce(t)), (lambda: comm.Allreduce(MPI.IN_PLACE, m.numpy())), \
+            check_all_reduce
+    if op == "all_gather":
+        out, mout = torch.empty(world * n), torch.empty(world * n)
+        expected = torch.cat([torch.arange(n, dtype=torch.float32) % 97 + r for r in range(world)])
+        a, mo = mine.numpy(), mout.numpy()
+
+        def check_all_gather() -> Optional[str]:
+            pg.all_gather_single(out, mine)
+            comm.Allgather(a, mo)
+            ok = torch.equal(out, expected) and torch.equal(mout, expected)
+            return None if ok else "wrong blocks"
+        return (lambda: pg.all_gather_single(out, mine)), (lambda: comm.Allgather(a, mo)), \
+            check_all_gather
+    if op == "broadcast":
+        t, m = mine.clone(), mine.clone()
+        root = torch.arange(n, dtype=torch.float32) % 97
+
+        def check_broadcast() -> Optional[str]:
+            pg.broadcast(t, 0)
+            comm.Bcast(m.numpy(), 0)
+            return None if torch.equal(t, root) and torch.equal(m, root) else "not the root's"
+        return (lambda: pg.broadcast(t, 0)), (lambda: comm.Bcast(m.numpy(), 0)), check_broadcast
+    if op == "reduce_scatter":
+        inp = torch.cat([mine + 1000 * k for k in range(world)])
+        out, mout = torch.empty(n), torch.empty(n)
+        expected = sum(torch.arange(n, dtype=torch.float32) % 97 + r + 1000 * rank
+                       for r in range(world))
+        a, mo = inp.numpy(), mout.numpy()
+
+        def check_reduce_scatter() -> Optional[str]:
+            pg.reduce_scatter_single(out, inp)
+            comm.Reduce_scatter_block(a, mo)
+            ok = torch.equal(out, expected) and torch.equal(mout, expected)
+            return None if ok else "wrong block sums"
+        return (lambda: pg.reduce_scatter_single(out, inp)), \
+            (lambda: comm.Reduce_scatter_block(a, mo)), check_reduce_scatter
+    raise ValueError(f"unknown op {op}")
+
+
+def loop(f: Callable[[], None], iters: int, comm: MPI.Comm) -> float:
+    """Seconds per call of ``iters`` calls of ``f``, started together on every rank."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        f()
+    return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4K", help="comma list of bytes per rank (K/M/G)")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    rendezvous = comm.bcast(tempfile.mktemp(prefix="pyddp-outside-loop-") if rank == 0 else None)
+    pg = pyddp.init_process_group("shm", init_method=f"file://{rendezvous}", rank=rank,
+                                  world_size=world)
+    try:
+        if rank == 0:
+            print(f"# {world} ranks; per call: median over {args.rounds} rounds; "
+                  "ratio: median of pyddp/MPI per round")
+            print(f"# {'op':>15} {'bytes':>10} {'pyddp (us)':>11} {'MPI (us)':>9} {'ratio':>6}")
+        for op in args.ops.split(","):
+            for nbytes in ([0] if op == "barrier" else
+                           [parse_size(s) for s in args.sizes.split(",")]):
+                ours, theirs, check = calls(op, nbytes, pg, comm)
+                problem = check()
+                if comm.allreduce(problem is not None, op=MPI.LOR):
+                    raise SystemExit(f"rank {rank}: {op} {nbytes} B: {problem}")
+                for f in (ours, theirs):
+                    for _ in range(WARMUP_CALLS):
+                        f()
+                # As many calls as TARGET_SECONDS of the slower library, agreed by every rank.
+                probe = max(loop(ours, WARMUP_CALLS, comm), loop(theirs, WARMUP_CALLS, comm))
+                iters = comm.allreduce(max(10, int(TARGET_SECONDS / probe)), op=MPI.MIN)
+                times: dict[str, list[float]] = {"pyddp": [], "mpi": []}
+                for _ in range(args.rounds):
+                    times["pyddp"].append(loop(ours, iters, comm))
+                    times["mpi"].append(loop(theirs, iters, comm))
+                if rank == 0:
+                    ratio = statistics.median(p / m for p, m in zip(times["pyddp"], times["mpi"]))
+                    print(f"  {op:>15} {nbytes:>10} {statistics.median(times['pyddp']) * 1e6:>11.2f} "
+                          f"{statistics.median(times['mpi']) * 1e6:>9.2f} {ratio:>6.2f}", flush=True)
+    finally:
+        pyddp.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
