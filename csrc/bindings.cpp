@@ -300,6 +300,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("DIRECT", Algo::Direct)
       .value("TWO_SHOT", Algo::TwoShot);
 
+  py::enum_<SlotStores>(m, "SlotStores",
+                        "How a rank writes the pieces it copies into its ring slots: chosen "
+                        "by measurement (AUTO), or forced to CACHED or STREAMING "
+                        "(non-temporal) stores.")
+      .value("AUTO", SlotStores::Auto)
+      .value("CACHED", SlotStores::Cached)
+      .value("STREAMING", SlotStores::Streaming);
+
   py::class_<RingOptions>(m, "RingOptions")
       .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
       .def(py::init<const RingOptions&>(), "A copy.")
@@ -310,6 +318,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("algo", &RingOptions::algo)
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
       .def_readwrite("p2p_buffer_bytes", &RingOptions::p2pBufferBytes)
+      .def_readwrite("slot_stores", &RingOptions::slotStores)
       .def("validate", &RingOptions::validate);
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");

@@ -27,6 +27,11 @@ class Algo:
     DIRECT: "Algo"
     TWO_SHOT: "Algo"
 
+class SlotStores:
+    AUTO: "SlotStores"
+    CACHED: "SlotStores"
+    STREAMING: "SlotStores"
+
 class RingOptions:
     slot_bytes: int
     num_slots: int
@@ -34,6 +39,8 @@ class RingOptions:
     two_shot_max_bytes: int
     algo: Algo
     timeout_ms: int
+    p2p_buffer_bytes: int
+    slot_stores: SlotStores
     def __init__(self, other: Optional["RingOptions"] = ...) -> None: ...
     def validate(self) -> None: ...
 

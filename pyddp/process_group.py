@@ -28,6 +28,7 @@ logger = logging.getLogger("pyddp")
 ReduceOp = dist.ReduceOp
 RingOptions = _C.RingOptions
 Algo = _C.Algo
+SlotStores = _C.SlotStores
 
 _SUPPORTED_OPS = {
     ReduceOp.SUM: _C.RedOp.SUM,

@@ -38,7 +38,8 @@ def test_the_stub_declares_the_module():
 def test_public_names():
     for name in pyddp.__all__:
         assert hasattr(pyddp, name), name
-    assert pyddp.Algo is _C.Algo and pyddp.has_cuda() is _C.has_cuda
+    assert pyddp.Algo is _C.Algo and pyddp.SlotStores is _C.SlotStores
+    assert pyddp.has_cuda() is _C.has_cuda
     assert isinstance(pyddp.__version__, str) and pyddp.__version__.count(".") == 2
     assert tuple(_C.backend_names()) == pyddp.BACKENDS
 

@@ -5,8 +5,10 @@ Each world size starts its ranks once (module fixture) with four groups:
 large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
 tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
-256-byte staging buffers, so small tensors take many rounds) and
-``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers).
+256-byte staging buffers, so small tensors take many rounds),
+``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers) and
+``streaming`` (ring forced, with 320-byte slots that every rank writes with
+streaming stores, transport/slot_stores.h).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from harness import RankContext, Ranks
 
 # 1001: uneven blocks for every world size, many pieces in the ring and direct groups.
 SMALL_COUNTS = [0, 1, 3, 1001]
-GROUPS = ("auto", "ring", "direct", "two_shot")
+GROUPS = ("auto", "ring", "direct", "two_shot", "streaming")
 
 
 def _setup(ctx: RankContext) -> None:
@@ -45,6 +47,9 @@ def _setup(ctx: RankContext) -> None:
     # blocks of unequal sizes within a round.
     ctx.groups["two_shot"] = group("two_shot", algo=pyddp.Algo.TWO_SHOT, direct_max_bytes=0,
                                    two_shot_max_bytes=320)
+    # Streaming stores forced: auto picks them only where they measure faster.
+    ctx.groups["streaming"] = group("streaming", algo=pyddp.Algo.RING, slot_bytes=320,
+                                    num_slots=2, slot_stores=pyddp.SlotStores.STREAMING)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
 
@@ -415,7 +420,7 @@ def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     ranks.run(_reduce_scatter_cases, group)
 
@@ -429,12 +434,12 @@ def test_bitwise_ops_refuse_floating_tensors(ranks):
     ranks.run(_bitwise_ops_refuse_floating_tensors)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming"])
 def test_all_gather_every_dtype(ranks, group):
     ranks.run(_all_gather_cases, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "streaming"])
 def test_broadcast_every_dtype_and_root(ranks, group):
     ranks.run(_broadcast_cases, group)
 

@@ -121,6 +121,11 @@ def test_bad_settings_in_environment(monkeypatch):
     monkeypatch.setenv("PYDDP_ALGO", "fastest")
     with pytest.raises(ValueError, match="PYDDP_ALGO='fastest'"):
         pyddp.RingOptions()
+    monkeypatch.delenv("PYDDP_ALGO")
+    monkeypatch.setenv("PYDDP_SLOT_STORES", "uncached")
+    with pytest.raises(ValueError, match="PYDDP_SLOT_STORES='uncached' is not one of auto, "
+                                         "cached, streaming"):
+        pyddp.RingOptions()
 
 
 def test_rank_that_never_joins_is_named_and_nothing_is_left():
@@ -734,15 +739,17 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("PYDDP_NUM_SLOTS", "3")
     monkeypatch.setenv("PYDDP_DIRECT_MAX_BYTES", "0")
     monkeypatch.setenv("PYDDP_ALGO", "ring")
+    monkeypatch.setenv("PYDDP_SLOT_STORES", "streaming")
     options = pyddp.RingOptions()
-    assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo) == (
-        4096, 3, 0, pyddp.Algo.RING)
+    assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo,
+            options.slot_stores) == (4096, 3, 0, pyddp.Algo.RING, pyddp.SlotStores.STREAMING)
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp.Algo.RING
     finally:
         pg.shutdown()
     assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"
+    assert pyddp._C.settings()["PYDDP_SLOT_STORES"] == "streaming"
 
 
 def _stall_inside(ctx: RankContext) -> str:

@@ -16,9 +16,10 @@ constexpr const char* kAlgoVar = "PYDDP_ALGO";
 constexpr const char* kDebugVar = "PYDDP_DEBUG";
 constexpr const char* kHostIdVar = "PYDDP_HOSTID";
 constexpr const char* kP2pBufferVar = "PYDDP_P2P_BUFFER_BYTES";
-constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar, kDirectMaxVar,
-                                    kTwoShotMaxVar, kAlgoVar,     kDebugVar,
-                                    kHostIdVar,     kP2pBufferVar};
+constexpr const char* kSlotStoresVar = "PYDDP_SLOT_STORES";
+constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar,  kDirectMaxVar,
+                                    kTwoShotMaxVar, kAlgoVar,      kDebugVar,
+                                    kHostIdVar,     kP2pBufferVar, kSlotStoresVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -49,6 +50,15 @@ Algo parseAlgo(const std::string& text) {
   return Algo::Auto;
 }
 
+SlotStores parseSlotStores(const std::string& text) {
+  if (text == "auto") return SlotStores::Auto;
+  if (text == "cached") return SlotStores::Cached;
+  if (text == "streaming") return SlotStores::Streaming;
+  PYDDP_CHECK_VALUE(false, kSlotStoresVar, "='", text,
+                    "' is not one of auto, cached, streaming");
+  return SlotStores::Auto;
+}
+
 } // namespace
 
 RingOptions RingOptions::fromEnv() {
@@ -68,6 +78,7 @@ RingOptions RingOptions::fromEnv() {
       kP2pBufferVar, envOr(kP2pBufferVar, std::to_string(kDefaultP2pBufferBytes)));
   PYDDP_CHECK_VALUE(p2pBuffer >= 0, kP2pBufferVar, "='", p2pBuffer, "' must not be negative");
   o.p2pBufferBytes = static_cast<size_t>(p2pBuffer);
+  o.slotStores = parseSlotStores(envOr(kSlotStoresVar, "auto"));
   o.validate();
   return o;
 }

@@ -35,6 +35,9 @@ struct RingOptions {
   // posted that a rank holds per sending peer; more wait in the sender's
   // channel (transport/shm_channel.h). Each rank's own: ranks may differ.
   size_t p2pBufferBytes;
+  // How this rank writes the pieces it copies into its ring slots
+  // (transport/slot_stores.h). Each rank's own: ranks may differ.
+  SlotStores slotStores;
 
   static RingOptions fromEnv();
   void validate() const;  // throws ValueError naming the offending setting

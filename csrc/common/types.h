@@ -49,6 +49,10 @@ inline bool isBitwise(RedOp op) {
 // ranks' choice to try is compared as every other field is.
 enum class Algo : int32_t { Auto = 0, Ring = 1, Direct = 2, TwoShot = 3, Registered = 4 };
 
+// How a rank writes the pieces it copies into its ring slots
+// (transport/slot_stores.h): chosen by measurement (Auto), or forced.
+enum class SlotStores : int32_t { Auto = 0, Cached = 1, Streaming = 2 };
+
 enum class CollectiveKind : int32_t {
   AllReduce = 0,
   AllGather = 1,
@@ -127,6 +131,15 @@ inline const char* toString(Algo a) {
     case Algo::Direct: return "direct";
     case Algo::TwoShot: return "two_shot";
     case Algo::Registered: return "registered";
+  }
+  return "unknown";
+}
+
+inline const char* toString(SlotStores s) {
+  switch (s) {
+    case SlotStores::Auto: return "auto";
+    case SlotStores::Cached: return "cached";
+    case SlotStores::Streaming: return "streaming";
   }
   return "unknown";
 }

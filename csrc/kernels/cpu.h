@@ -40,5 +40,19 @@ void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
 void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count);
 
+// Whether streamingCopy writes with non-temporal stores on this CPU (x86-64:
+// SSE2's, which every x86-64 has); elsewhere it is memcpy.
+#if defined(__x86_64__)
+constexpr bool kHasStreamingStores = true;
+#else
+constexpr bool kHasStreamingStores = false;
+#endif
+
+// memcpy that writes dst with non-temporal stores: the lines go towards
+// memory, not into this core's cache, and leave every other cache. Ordered
+// before the caller's next store (a fence ends it), so a flag released
+// after it publishes the bytes. dst and src do not overlap.
+void streamingCopy(void* dst, const void* src, size_t bytes);
+
 } // namespace kernels
 } // namespace pyddp

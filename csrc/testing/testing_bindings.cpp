@@ -23,6 +23,7 @@
 #include "transport/cuda_ipc_protocol.h"
 #include "transport/shm.h"
 #include "transport/shm_segment.h"
+#include "transport/slot_stores.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -136,6 +137,36 @@ void bindTesting(py::module_& m) {
         py::kw_only(), py::arg("elements") = false);
   // Creates one shm segment as a group's bootstrap does, reports its name and
   // permission bits, and destroys it without ever connecting.
+  // The slot store chooser, fed synthetic times; and the streaming copy
+  // over byte tensors (dst and src each start `offset` bytes in, so that
+  // every alignment of the head is reached).
+  py::class_<SlotStoreChooser>(t, "SlotStoreChooser")
+      .def(py::init<SlotStores>())
+      .def("next",
+           [](SlotStoreChooser& c, size_t bytes) {
+             const auto pick = c.next(bytes);
+             return std::make_pair(pick.streaming, pick.timed);
+           })
+      .def("observe", &SlotStoreChooser::observe)
+      .def("prefers_streaming", &SlotStoreChooser::prefersStreaming)
+      .def("cached_ns_per_byte", &SlotStoreChooser::cachedNsPerByte)
+      .def("streaming_ns_per_byte", &SlotStoreChooser::streamingNsPerByte)
+      .def_readonly_static("MIN_CHOSEN_BYTES", &SlotStoreChooser::kMinChosenBytes)
+      .def_readonly_static("SAMPLE_EVERY", &SlotStoreChooser::kSampleEvery)
+      .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
+      .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
+      .def_readonly_static("WEIGHT", &SlotStoreChooser::kWeight);
+  t.attr("has_streaming_stores") = kernels::kHasStreamingStores;
+  t.def("streaming_copy", [](at::Tensor dst, const at::Tensor& src, size_t dstOffset,
+                             size_t srcOffset, size_t bytes) {
+    PYDDP_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous() &&
+                          dst.scalar_type() == at::kByte && src.scalar_type() == at::kByte &&
+                          dstOffset + bytes <= static_cast<size_t>(dst.numel()) &&
+                          srcOffset + bytes <= static_cast<size_t>(src.numel()),
+                      "streaming_copy: contiguous uint8 tensors that hold the ranges");
+    kernels::streamingCopy(dst.data_ptr<uint8_t>() + dstOffset,
+                           src.data_ptr<uint8_t>() + srcOffset, bytes);
+  });
   t.def("probe_shm_segment", [] {
     shm::ShmTransport transport(0, 2, RingOptions::fromEnv());
     const std::string name = BlobReader(transport.setup(), "the shm blob").str("segment");

@@ -96,7 +96,8 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       pidNamespace_(pidNamespace()),
       spinPhase_(Backoff::spinPhaseFor(worldSize)),
       pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
-      segments_(worldSize) {
+      segments_(worldSize),
+      stores_(options.slotStores) {
   options.validate();
 }
 
@@ -512,18 +513,34 @@ void ShmTransport::releaseRecv() {
   segments_[rank_].header->consumed.value.store(received_, std::memory_order_release);
 }
 
+bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes) {
+  const SlotStoreChooser::Pick pick = stores_.next(bytes);
+  const auto start = pick.timed ? Clock::now() : Clock::time_point();
+  if (pick.streaming) {
+    kernels::streamingCopy(slot, src, bytes);
+  } else {
+    std::memcpy(slot, src, bytes);
+  }
+  if (pick.timed) {
+    stores_.observe(pick.streaming, bytes,
+                    std::chrono::duration<double, std::nano>(Clock::now() - start).count());
+  }
+  return pick.streaming;
+}
+
 void ShmTransport::send(const void* src, size_t bytes) {
-  std::memcpy(claimSendSlot(), src, bytes);
+  writeSlot(claimSendSlot(), src, bytes);
   postSend();
 }
 
 void ShmTransport::sendCopy(const void* src, void* dst, size_t bytes) {
   char* slot = claimSendSlot();
-  std::memcpy(slot, src, bytes);
+  const bool streamed = writeSlot(slot, src, bytes);
   postSend();
-  // My copy from the slot, still in this core's cache, while the next rank
-  // reads it: only this rank's later sends rewrite the slot.
-  if (dst != src) std::memcpy(dst, slot, bytes);
+  // My copy while the next rank reads the piece, from whichever of the two
+  // is in this core's cache: the slot it just wrote (only this rank's later
+  // sends rewrite it), or the source it just read when the stores streamed.
+  if (dst != src) std::memcpy(dst, streamed ? src : slot, bytes);
 }
 
 void ShmTransport::recv(void* dst, size_t bytes) {
@@ -534,7 +551,7 @@ void ShmTransport::recv(void* dst, size_t bytes) {
 void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   const char* in = awaitRecvSlot();
   // Forward first: the next rank's hop starts while we keep our copy.
-  std::memcpy(claimSendSlot(), in, bytes);
+  writeSlot(claimSendSlot(), in, bytes);
   postSend();
   std::memcpy(dst, in, bytes);
   releaseRecv();

@@ -28,6 +28,7 @@
 #include "common/config.h"
 #include "common/descriptor.h"
 #include "transport/registered.h"
+#include "transport/slot_stores.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -239,6 +240,10 @@ class ShmTransport final : public Transport,
 
   // Ring halves of the verbs.
   char* claimSendSlot();
+  // Copies a piece into a claimed slot with the stores stores_ picks;
+  // returns whether they were streaming (the slot is then not in this
+  // core's cache).
+  bool writeSlot(char* slot, const void* src, size_t bytes);
   void postSend();
   const char* awaitRecvSlot();
   void releaseRecv();
@@ -296,6 +301,7 @@ class ShmTransport final : public Transport,
   std::unique_ptr<ShmMessages> messages_;
   std::unique_ptr<ShmMessages> collectiveMessages_;
 
+  SlotStoreChooser stores_;
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
   uint64_t rounds_ = 0;    // direct rounds staged (staged says those of exchange())

@@ -1,0 +1,126 @@
+// Which stores a rank writes its ring slots with: cached or streaming
+// (non-temporal), chosen by what each costs the writer here and now.
+//
+// A slot is written by one core and read at once by another. When the two
+// cores are near (one L3), a cached write is cheapest: the reader takes the
+// lines from the writer's cache. When they are far apart (another socket or
+// chiplet, as a virtual machine's host places vCPUs and moves them while a
+// job runs), each cached write first takes back, across that distance, the
+// lines the reader holds from the slot's last piece, and the reader then
+// fetches them from the writer's cache; streaming stores send the lines
+// towards memory instead. Both ends of it, measured on the AMD EPYC VM with
+// benchmarks/core_distance.cpp (8 slots of 64 KiB, both directions at once;
+// benchmarks/README.md, "Where the host puts the two vCPUs"):
+//
+//   round trip of a cache line   near 130-175 ns        far 500-1000 ns
+//   writer's copy into a slot    cached 22-24 GB/s,     cached 3.7 GB/s,
+//                                streaming 11-14 GB/s   streaming 17 GB/s
+//   whole handoff, each way      cached 9.0-11.6 GB/s,  cached 2.3-2.9 GB/s,
+//                                streaming 4.0-6.2 GB/s streaming 4.6-6.4 GB/s
+//
+// The writer's own copy time tells the two cases apart by a factor of 8,
+// so each rank chooses for itself, from its own clock, with no word to its
+// peers (the reader reads a slot the same way however it was written).
+// Which case holds can change from one second to the next, so the choice
+// is kept current: it follows a moving average of nanoseconds per byte for
+// each kind, times one write in kSampleEvery of the kind it prefers, and
+// writes one in kExploreEvery with the other kind.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/types.h"
+#include "kernels/cpu.h"
+
+namespace pyddp {
+
+class SlotStoreChooser {
+ public:
+  // Smaller writes are cached and not timed: a clock read (tens of ns) is
+  // no longer small beside them, and a piece this small crosses the
+  // distance in few lines whatever its stores.
+  static constexpr size_t kMinChosenBytes = 16 * 1024;
+  // One write in 4 of the preferred kind timed: two clock reads per 64 KiB
+  // piece cost 2% of a cached write between near cores; one in 4 costs 0.5%.
+  static constexpr uint32_t kSampleEvery = 4;
+  // One write in 64 with the other kind: a piece of the wrong kind costs
+  // about twice the right one's time on near cores and four times on far
+  // ones, so exploring costs 1.5-5% (one in 32 cost up to 10% on far cores,
+  // 2-rank all_gather of 1 MiB); a change of case is noticed within 64
+  // pieces (0.3-1 ms of copying 64 KiB pieces).
+  static constexpr uint32_t kExploreEvery = 64;
+  // How much faster than cached stores streaming ones must be for the writer
+  // to be worth their cost to the reader, who then reads the piece from
+  // memory instead of from the writer's cache. In the table above the
+  // writer's ratio (cached time / streaming time) is 0.5-0.6 on near cores,
+  // where the whole handoff favours cached stores by about 2x, and 4.6 on
+  // far ones, where it favours streaming stores by about 2x: the break-even
+  // lies near 2, with a margin of 2x or more on either side.
+  static constexpr double kStreamingAdvantage = 2.0;
+  // Weight of a new time in its kind's average, and the most a sample may
+  // count for, as a multiple of the average: an average follows a change
+  // of case (a factor of 4-6 for cached stores) within a few samples, and
+  // one odd sample (a copy preempted for a time slice, 1000 times its usual
+  // time) raises it by at most 1.75x, which flips no choice made by a
+  // factor of kStreamingAdvantage or more.
+  static constexpr double kWeight = 0.25;
+  static constexpr double kMaxSampleStep = 4.0;
+
+  struct Pick {
+    bool streaming;
+    bool timed;  // report the time the write took to observe()
+  };
+
+  explicit SlotStoreChooser(SlotStores mode)
+      : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached) {}
+
+  // How to write the next slot write of `bytes`.
+  Pick next(size_t bytes) {
+    if (mode_ != SlotStores::Auto) return {mode_ == SlotStores::Streaming, false};
+    if (bytes < kMinChosenBytes) return {false, false};
+    ++writes_;
+    // Each kind is measured once before either is preferred.
+    if (nsPerByte_[kCached] == 0) return {false, true};
+    if (nsPerByte_[kStreaming] == 0) return {true, true};
+    const bool preferred = prefersStreaming();
+    if (writes_ % kExploreEvery == 0) return {!preferred, true};
+    return {preferred, writes_ % kSampleEvery == 0};
+  }
+
+  // A timed write of `bytes` took `nanoseconds`.
+  void observe(bool streaming, size_t bytes, double nanoseconds) {
+    const double sample = nanoseconds / static_cast<double>(bytes);
+    double& average = nsPerByte_[streaming ? kStreaming : kCached];
+    // 0 is "not measured yet": a write measured at 0 ns (a coarse clock)
+    // counts as the smallest positive time.
+    const double positive = sample > 0 ? sample : 1e-9;
+    if (average == 0) {
+      average = positive;
+    } else {
+      average += kWeight * (std::min(positive, kMaxSampleStep * average) - average);
+    }
+  }
+
+  // Whether a write that is not exploring would be streaming.
+  bool prefersStreaming() const {
+    if (mode_ != SlotStores::Auto) return mode_ == SlotStores::Streaming;
+    return nsPerByte_[kStreaming] != 0 &&
+           nsPerByte_[kStreaming] * kStreamingAdvantage < nsPerByte_[kCached];
+  }
+
+  // The moving averages, ns per byte (0: not measured yet).
+  double cachedNsPerByte() const { return nsPerByte_[kCached]; }
+  double streamingNsPerByte() const { return nsPerByte_[kStreaming]; }
+
+ private:
+  static constexpr int kCached = 0;
+  static constexpr int kStreaming = 1;
+
+  const SlotStores mode_;
+  uint32_t writes_ = 0;  // chosen writes so far
+  double nsPerByte_[2] = {0, 0};
+};
+
+} // namespace pyddp

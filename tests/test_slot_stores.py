@@ -1,0 +1,134 @@
+"""How a rank writes its ring slots (csrc/transport/slot_stores.h), without processes.
+
+The chooser is fed times from a model of the two cases it tells apart (near
+cores: cached stores cheaper for the writer; far cores: streaming stores
+several times cheaper) and must pick what the model says, keep measuring the
+kind it does not use, and follow a change of case. The streaming copy is
+checked byte for byte against the source at every alignment and length that
+its head, body and tail take. The collectives with streaming slot stores run
+in tests/test_collectives.py (group ``streaming``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pyddp
+from pyddp._C import _testing as t
+
+Chooser = t.SlotStoreChooser
+PIECE = 64 * 1024
+
+# ns per byte of the writer's copy into a slot, from the table in slot_stores.h
+# (2-rank handoff on the AMD EPYC VM): near cores 22-24 GB/s cached, 11-14 GB/s
+# streaming; far cores 3.7 GB/s cached, 17 GB/s streaming.
+NEAR = {False: 1 / 23, True: 1 / 12}
+FAR = {False: 1 / 3.7, True: 1 / 17}
+
+
+def _write(chooser, cost, bytes_=PIECE):
+    """One slot write as the transport makes it; returns (streaming, timed)."""
+    streaming, timed = chooser.next(bytes_)
+    if timed:
+        chooser.observe(streaming, bytes_, cost[streaming] * bytes_)
+    return streaming, timed
+
+
+def _writes(chooser, cost, n):
+    return [_write(chooser, cost) for _ in range(n)]
+
+
+def test_forced_kinds_are_kept_and_not_timed():
+    cached = Chooser(pyddp.SlotStores.CACHED)
+    assert all(pick == (False, False) for pick in _writes(cached, FAR, 200))
+    assert not cached.prefers_streaming()
+    streaming = Chooser(pyddp.SlotStores.STREAMING)
+    expected = (t.has_streaming_stores, False)
+    assert all(pick == expected for pick in _writes(streaming, NEAR, 200))
+    # Forced streaming holds for pieces of any size (tests run it on 320-byte slots).
+    assert streaming.next(16) == expected
+
+
+def test_small_writes_are_cached_and_not_timed():
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    small = t.SlotStoreChooser.MIN_CHOSEN_BYTES - 1
+    assert all(_write(chooser, FAR, small) == (False, False) for _ in range(200))
+    assert chooser.cached_ns_per_byte() == 0 and chooser.streaming_ns_per_byte() == 0
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+def test_each_kind_is_measured_before_either_is_preferred():
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    assert _write(chooser, FAR) == (False, True)
+    assert _write(chooser, FAR) == (True, True)
+    assert chooser.cached_ns_per_byte() == pytest.approx(FAR[False])
+    assert chooser.streaming_ns_per_byte() == pytest.approx(FAR[True])
+    assert chooser.prefers_streaming()
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+@pytest.mark.parametrize("case,prefers", [(NEAR, False), (FAR, True)], ids=["near", "far"])
+def test_picks_the_preferred_kind_samples_it_and_explores_the_other(case, prefers):
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    _writes(chooser, case, 2)
+    picks = _writes(chooser, case, 64 * t.SlotStoreChooser.EXPLORE_EVERY)
+    others = [i for i, (streaming, _) in enumerate(picks) if streaming != prefers]
+    # Writes are counted from the first chosen one: the explorations fall on
+    # every EXPLORE_EVERY-th, each timed.
+    every = t.SlotStoreChooser.EXPLORE_EVERY
+    assert others == [i for i in range(len(picks)) if (i + 3) % every == 0]
+    assert all(picks[i][1] for i in others)
+    sample = t.SlotStoreChooser.SAMPLE_EVERY
+    timed = [i for i, (_, was_timed) in enumerate(picks) if was_timed and i not in others]
+    assert timed == [i for i in range(len(picks)) if (i + 3) % sample == 0 and i not in others]
+    assert chooser.prefers_streaming() == prefers
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+def test_streaming_must_be_clearly_faster_for_the_writer():
+    # The reader pays for streaming stores (it reads from memory), so the
+    # writer's gain must exceed STREAMING_ADVANTAGE.
+    advantage = t.SlotStoreChooser.STREAMING_ADVANTAGE
+    for factor, prefers in ((advantage * 0.9, False), (advantage * 1.1, True)):
+        chooser = Chooser(pyddp.SlotStores.AUTO)
+        _writes(chooser, {False: factor * 0.1, True: 0.1}, 2)
+        assert chooser.prefers_streaming() == prefers, factor
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+def test_follows_the_host_moving_the_cores_apart_and_back():
+    every = t.SlotStoreChooser.EXPLORE_EVERY
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    _writes(chooser, NEAR, 4 * every)
+    assert not chooser.prefers_streaming()
+    # Far: the cached writes it keeps sampling slow down, and it switches
+    # within a few samples.
+    picks = _writes(chooser, FAR, 4 * every)
+    assert chooser.prefers_streaming()
+    first_streamed = next(i for i, (streaming, _) in enumerate(picks) if streaming)
+    assert first_streamed <= 4 * t.SlotStoreChooser.SAMPLE_EVERY
+    # Near again: only the explorations measure cached stores now, so the
+    # way back takes a few of them.
+    picks = _writes(chooser, NEAR, 8 * every)
+    assert not chooser.prefers_streaming()
+    back = next(i for i in range(len(picks)) if all(not s for s, _ in picks[i:i + every - 1]))
+    assert back < 4 * every
+    # And one odd sample (a copy that was preempted for a time slice) does
+    # not flip it.
+    chooser.observe(False, PIECE, 1000 * NEAR[False] * PIECE)
+    assert not chooser.prefers_streaming()
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64, 65, 127, 1000, 4096, 65536 + 5])
+def test_streaming_copy_matches_the_source_at_every_alignment(length):
+    gen = torch.Generator().manual_seed(length)
+    src = torch.randint(0, 256, (length + 64,), dtype=torch.uint8, generator=gen)
+    for dst_offset in range(16):
+        for src_offset in (0, 1, 7, 16, 33):
+            dst = torch.zeros(length + 64, dtype=torch.uint8)
+            t.streaming_copy(dst, src, dst_offset, src_offset, length)
+            assert torch.equal(dst[dst_offset:dst_offset + length],
+                               src[src_offset:src_offset + length])
+            # Nothing outside the range is written.
+            assert not dst[:dst_offset].any() and not dst[dst_offset + length:].any()
