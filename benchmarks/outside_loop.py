@@ -9,7 +9,10 @@ median time per call over the rounds and the median over rounds of pyddp's
 time / MPI's time measured back to back (below 1: pyddp is faster).
 
     mpirun --allow-run-as-root -np 2 --bind-to none \\
-        python benchmarks/outside_loop.py [--sizes 4K,1M] [--rounds 8]
+        python -m mpi4py benchmarks/outside_loop.py [--sizes 4K,1M] [--rounds 8]
+
+(``-m mpi4py``: a rank that fails aborts the others instead of leaving them in
+a barrier.)
 
 Sizes are bytes per rank (all_gather's output and reduce_scatter's input are
 world_size times that).
@@ -31,6 +34,8 @@ import pyddp
 
 OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
 WARMUP_CALLS = 200
+"""Calls before a library's first timed loop, and in the loop that sizes the timed ones:
+enough to fault in every buffer and settle each library's first-call work."""
 TARGET_SECONDS = 0.05
 """How long one library's loop of one round runs: long enough that a clock read is
 nothing beside it, short enough that the rounds alternate every few tenths of a second."""
@@ -139,9 +144,11 @@ def main() -> None:
                 probe = max(loop(ours, WARMUP_CALLS, comm), loop(theirs, WARMUP_CALLS, comm))
                 iters = comm.allreduce(max(10, int(TARGET_SECONDS / probe)), op=MPI.MIN)
                 times: dict[str, list[float]] = {"pyddp": [], "mpi": []}
-                for _ in range(args.rounds):
-                    times["pyddp"].append(loop(ours, iters, comm))
-                    times["mpi"].append(loop(theirs, iters, comm))
+                for round_ in range(args.rounds):
+                    # Each library goes first in half the rounds.
+                    order = [("pyddp", ours), ("mpi", theirs)]
+                    for name, f in order if round_ % 2 == 0 else order[::-1]:
+                        times[name].append(loop(f, iters, comm))
                 if rank == 0:
                     ratio = statistics.median(p / m for p, m in zip(times["pyddp"], times["mpi"]))
                     print(f"  {op:>15} {nbytes:>10} {statistics.median(times['pyddp']) * 1e6:>11.2f} "

@@ -449,6 +449,9 @@ def _overlapping_output(ctx: RankContext) -> None:
            pg.reduce_scatter_single, whole[r * k + 1:(r + 1) * k + 1], whole[:n * k])
     raises(ValueError, "all_gather_single: input overlaps output other than as one of its "
            "blocks", pg.all_gather_single, whole[:n * k], whole[1:k + 1])
+    blocks = list(whole[:n * k].split(k))
+    raises(ValueError, f"all_gather: tensor_list entry {r} overlaps the input other than as "
+           "the whole input", pg.all_gather, blocks, whole[r * k + 1:(r + 1) * k + 1])
     t = torch.ones(4)
     pg.all_reduce(t)  # refused calls never reached the peers
     assert torch.equal(t, torch.full((4,), float(ctx.world_size)))
@@ -746,10 +749,16 @@ def test_settings_come_from_the_environment(monkeypatch):
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp.Algo.RING
+        assert pg.options.slot_stores == pyddp.SlotStores.STREAMING
     finally:
         pg.shutdown()
     assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"
     assert pyddp._C.settings()["PYDDP_SLOT_STORES"] == "streaming"
+    for text, kind in (("cached", pyddp.SlotStores.CACHED), ("auto", pyddp.SlotStores.AUTO)):
+        monkeypatch.setenv("PYDDP_SLOT_STORES", text)
+        assert pyddp.RingOptions().slot_stores == kind
+    monkeypatch.delenv("PYDDP_SLOT_STORES")
+    assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
 
 
 def _stall_inside(ctx: RankContext) -> str:

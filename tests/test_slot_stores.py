@@ -27,9 +27,9 @@ NEAR = {False: 1 / 23, True: 1 / 12}
 FAR = {False: 1 / 3.7, True: 1 / 17}
 
 
-def _write(chooser, cost, bytes_=PIECE):
+def _write(chooser, cost, bytes_=PIECE, local=True):
     """One slot write as the transport makes it; returns (streaming, timed)."""
-    streaming, timed = chooser.next(bytes_)
+    streaming, timed = chooser.next(bytes_, local)
     if timed:
         chooser.observe(streaming, bytes_, cost[streaming] * bytes_)
     return streaming, timed
@@ -39,6 +39,13 @@ def _writes(chooser, cost, n):
     return [_write(chooser, cost) for _ in range(n)]
 
 
+def _warm(chooser, cost):
+    """Past the warm-up and both first measurements: what every test below starts from."""
+    warmup = _writes(chooser, cost, t.SlotStoreChooser.WARMUP_WRITES)
+    assert warmup == [(False, False)] * t.SlotStoreChooser.WARMUP_WRITES
+    return _writes(chooser, cost, 2)
+
+
 def test_forced_kinds_are_kept_and_not_timed():
     cached = Chooser(pyddp.SlotStores.CACHED)
     assert all(pick == (False, False) for pick in _writes(cached, FAR, 200))
@@ -46,8 +53,9 @@ def test_forced_kinds_are_kept_and_not_timed():
     streaming = Chooser(pyddp.SlotStores.STREAMING)
     expected = (t.has_streaming_stores, False)
     assert all(pick == expected for pick in _writes(streaming, NEAR, 200))
-    # Forced streaming holds for pieces of any size (tests run it on 320-byte slots).
-    assert streaming.next(16) == expected
+    # Forced streaming holds for pieces of any size (tests run it on
+    # 320-byte slots) and from any source.
+    assert streaming.next(16, True) == expected and streaming.next(PIECE, False) == expected
 
 
 def test_small_writes_are_cached_and_not_timed():
@@ -58,10 +66,9 @@ def test_small_writes_are_cached_and_not_timed():
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
-def test_each_kind_is_measured_before_either_is_preferred():
+def test_each_kind_is_measured_after_the_warmup_before_either_is_preferred():
     chooser = Chooser(pyddp.SlotStores.AUTO)
-    assert _write(chooser, FAR) == (False, True)
-    assert _write(chooser, FAR) == (True, True)
+    assert _warm(chooser, FAR) == [(False, True), (True, True)]
     assert chooser.cached_ns_per_byte() == pytest.approx(FAR[False])
     assert chooser.streaming_ns_per_byte() == pytest.approx(FAR[True])
     assert chooser.prefers_streaming()
@@ -71,17 +78,17 @@ def test_each_kind_is_measured_before_either_is_preferred():
 @pytest.mark.parametrize("case,prefers", [(NEAR, False), (FAR, True)], ids=["near", "far"])
 def test_picks_the_preferred_kind_samples_it_and_explores_the_other(case, prefers):
     chooser = Chooser(pyddp.SlotStores.AUTO)
-    _writes(chooser, case, 2)
+    _warm(chooser, case)
     picks = _writes(chooser, case, 64 * t.SlotStoreChooser.EXPLORE_EVERY)
     others = [i for i, (streaming, _) in enumerate(picks) if streaming != prefers]
-    # Writes are counted from the first chosen one: the explorations fall on
-    # every EXPLORE_EVERY-th, each timed.
-    every = t.SlotStoreChooser.EXPLORE_EVERY
-    assert others == [i for i in range(len(picks)) if (i + 3) % every == 0]
+    # Writes are counted from the first local one, the warm-up's too: the
+    # explorations fall on every EXPLORE_EVERY-th, each timed.
+    every, sample = t.SlotStoreChooser.EXPLORE_EVERY, t.SlotStoreChooser.SAMPLE_EVERY
+    first = t.SlotStoreChooser.WARMUP_WRITES + 3  # the count of picks[0]
+    assert others == [i for i in range(len(picks)) if (i + first) % every == 0]
     assert all(picks[i][1] for i in others)
-    sample = t.SlotStoreChooser.SAMPLE_EVERY
     timed = [i for i, (_, was_timed) in enumerate(picks) if was_timed and i not in others]
-    assert timed == [i for i in range(len(picks)) if (i + 3) % sample == 0 and i not in others]
+    assert timed == [i for i in range(len(picks)) if (i + first) % sample == 0 and i not in others]
     assert chooser.prefers_streaming() == prefers
 
 
@@ -92,7 +99,7 @@ def test_streaming_must_be_clearly_faster_for_the_writer():
     advantage = t.SlotStoreChooser.STREAMING_ADVANTAGE
     for factor, prefers in ((advantage * 0.9, False), (advantage * 1.1, True)):
         chooser = Chooser(pyddp.SlotStores.AUTO)
-        _writes(chooser, {False: factor * 0.1, True: 0.1}, 2)
+        _warm(chooser, {False: factor * 0.1, True: 0.1})
         assert chooser.prefers_streaming() == prefers, factor
 
 
@@ -100,6 +107,7 @@ def test_streaming_must_be_clearly_faster_for_the_writer():
 def test_follows_the_host_moving_the_cores_apart_and_back():
     every = t.SlotStoreChooser.EXPLORE_EVERY
     chooser = Chooser(pyddp.SlotStores.AUTO)
+    _warm(chooser, NEAR)
     _writes(chooser, NEAR, 4 * every)
     assert not chooser.prefers_streaming()
     # Far: the cached writes it keeps sampling slow down, and it switches
@@ -118,6 +126,36 @@ def test_follows_the_host_moving_the_cores_apart_and_back():
     # not flip it.
     chooser.observe(False, PIECE, 1000 * NEAR[False] * PIECE)
     assert not chooser.prefers_streaming()
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+def test_forwarded_pieces_follow_the_choice_untimed():
+    # A forwarded piece's copy reads a peer's slot: its time is not the
+    # writer's alone, so it is neither timed nor counted, and takes the
+    # preferred kind even when a local write in its place would explore.
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    small = t.SlotStoreChooser.MIN_CHOSEN_BYTES - 1
+    assert chooser.next(PIECE, False) == (False, False)
+    _warm(chooser, FAR)
+    every = t.SlotStoreChooser.EXPLORE_EVERY
+    for _ in range(3 * every):
+        assert _write(chooser, FAR, local=False) == (True, False)
+        assert _write(chooser, FAR, small, local=False) == (False, False)
+    # The local writes are counted as if the forwarded ones were not there.
+    local = _writes(chooser, FAR, every)
+    first = t.SlotStoreChooser.WARMUP_WRITES + 3
+    assert [i for i, (s, _) in enumerate(local) if not s] == \
+        [i for i in range(every) if (i + first) % every == 0]
+
+
+def test_samples_that_are_not_times_are_ignored():
+    chooser = Chooser(pyddp.SlotStores.AUTO)
+    _warm(chooser, NEAR)
+    before = (chooser.cached_ns_per_byte(), chooser.streaming_ns_per_byte())
+    for bytes_, ns in ((0, 100.0), (PIECE, float("nan")), (PIECE, float("inf")), (PIECE, -1.0)):
+        chooser.observe(False, bytes_, ns)
+        chooser.observe(True, bytes_, ns)
+    assert (chooser.cached_ns_per_byte(), chooser.streaming_ns_per_byte()) == before
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64, 65, 127, 1000, 4096, 65536 + 5])

@@ -180,7 +180,7 @@ void ringAllGather(const Call& c, DataType dtype, const void* in,
   for (size_t p = 0; p < pieces; ++p) {
     const Range pc = schedule::piece(blockCount, pe, p);
     const size_t bytes = pc.count * es;
-    // step 0: send my block, and keep it (its piece is read once)
+    // step 0: send my block, and keep it (its piece read from memory once)
     link.sendCopy(at(in, pc.begin, es), at(outBlocks[r], pc.begin, es), bytes);
     // steps 1..n-2: keep and forward my left neighbour's block
     for (int step = 0; step < n - 2; ++step) {

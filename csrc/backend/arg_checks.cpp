@@ -118,6 +118,17 @@ void ArgChecks::blockList(const std::vector<at::Tensor>& list, const at::Tensor&
                       " (the input's)");
     writable(t, call, entry.c_str());
   }
+  // The input may be one of the entries (in place), and otherwise share no
+  // memory with them, as in single(): a block shifted by part of one would
+  // be written before it is read.
+  if (!input.is_contiguous()) return;
+  for (size_t k = 0; k < list.size(); ++k) {
+    if (!list[k].is_contiguous()) continue;
+    const auto overlap = at::get_overlap_status(list[k], input);
+    PYDDP_CHECK_VALUE(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::Full,
+                      "rank ", rank_, ": ", call, ": ", name, " entry ", k,
+                      " overlaps the input other than as the whole input");
+  }
 }
 
 DataType ArgChecks::sameType(const std::vector<at::Tensor>& tensors, const char* call,

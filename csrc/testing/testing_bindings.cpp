@@ -135,16 +135,14 @@ void bindTesting(py::module_& m) {
         },
         py::arg("op"), py::arg("world_size"), py::arg("incoming"), py::arg("local"),
         py::kw_only(), py::arg("elements") = false);
-  // Creates one shm segment as a group's bootstrap does, reports its name and
-  // permission bits, and destroys it without ever connecting.
   // The slot store chooser, fed synthetic times; and the streaming copy
-  // over byte tensors (dst and src each start `offset` bytes in, so that
-  // every alignment of the head is reached).
+  // over byte tensors, from srcOffset into dstOffset bytes in (every
+  // alignment of its head can be reached).
   py::class_<SlotStoreChooser>(t, "SlotStoreChooser")
       .def(py::init<SlotStores>())
       .def("next",
-           [](SlotStoreChooser& c, size_t bytes) {
-             const auto pick = c.next(bytes);
+           [](SlotStoreChooser& c, size_t bytes, bool local) {
+             const auto pick = c.next(bytes, local);
              return std::make_pair(pick.streaming, pick.timed);
            })
       .def("observe", &SlotStoreChooser::observe)
@@ -155,7 +153,7 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("SAMPLE_EVERY", &SlotStoreChooser::kSampleEvery)
       .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
       .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
-      .def_readonly_static("WEIGHT", &SlotStoreChooser::kWeight);
+      .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
   t.attr("has_streaming_stores") = kernels::kHasStreamingStores;
   t.def("streaming_copy", [](at::Tensor dst, const at::Tensor& src, size_t dstOffset,
                              size_t srcOffset, size_t bytes) {
@@ -167,6 +165,8 @@ void bindTesting(py::module_& m) {
     kernels::streamingCopy(dst.data_ptr<uint8_t>() + dstOffset,
                            src.data_ptr<uint8_t>() + srcOffset, bytes);
   });
+  // Creates one shm segment as a group's bootstrap does, reports its name and
+  // permission bits, and destroys it without ever connecting.
   t.def("probe_shm_segment", [] {
     shm::ShmTransport transport(0, 2, RingOptions::fromEnv());
     const std::string name = BlobReader(transport.setup(), "the shm blob").str("segment");

@@ -513,8 +513,8 @@ void ShmTransport::releaseRecv() {
   segments_[rank_].header->consumed.value.store(received_, std::memory_order_release);
 }
 
-bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes) {
-  const SlotStoreChooser::Pick pick = stores_.next(bytes);
+bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes, bool local) {
+  const SlotStoreChooser::Pick pick = stores_.next(bytes, local);
   const auto start = pick.timed ? Clock::now() : Clock::time_point();
   if (pick.streaming) {
     kernels::streamingCopy(slot, src, bytes);
@@ -529,13 +529,13 @@ bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes) {
 }
 
 void ShmTransport::send(const void* src, size_t bytes) {
-  writeSlot(claimSendSlot(), src, bytes);
+  writeSlot(claimSendSlot(), src, bytes, /*local=*/true);
   postSend();
 }
 
 void ShmTransport::sendCopy(const void* src, void* dst, size_t bytes) {
   char* slot = claimSendSlot();
-  const bool streamed = writeSlot(slot, src, bytes);
+  const bool streamed = writeSlot(slot, src, bytes, /*local=*/true);
   postSend();
   // My copy while the next rank reads the piece, from whichever of the two
   // is in this core's cache: the slot it just wrote (only this rank's later
@@ -551,7 +551,7 @@ void ShmTransport::recv(void* dst, size_t bytes) {
 void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   const char* in = awaitRecvSlot();
   // Forward first: the next rank's hop starts while we keep our copy.
-  writeSlot(claimSendSlot(), in, bytes);
+  writeSlot(claimSendSlot(), in, bytes, /*local=*/false);
   postSend();
   std::memcpy(dst, in, bytes);
   releaseRecv();

@@ -115,7 +115,9 @@ static_assert(offsetof(DescriptorSlot, published) == 0 && offsetof(DescriptorSlo
 //   consumed >= k + 1 - numSlots (slot k % numSlots is free), writes the
 //   slot, then stores posted = k + 1 (release). To receive piece k the
 //   receiver waits until the sender's posted >= k + 1 (acquire), reads the
-//   slot, then stores consumed = k + 1 (release). Fused verbs hold one
+//   slot, then stores consumed = k + 1 (release). A slot written with
+//   streaming stores (slot_stores.h) is fenced (sfence) before posted is
+//   stored: a release store does not order them. Fused verbs hold one
 //   received slot while claiming a send slot; numSlots >= 2 keeps the ring
 //   free of that circular wait.
 struct alignas(kCacheLine) SegmentHeader {
@@ -241,9 +243,10 @@ class ShmTransport final : public Transport,
   // Ring halves of the verbs.
   char* claimSendSlot();
   // Copies a piece into a claimed slot with the stores stores_ picks;
-  // returns whether they were streaming (the slot is then not in this
-  // core's cache).
-  bool writeSlot(char* slot, const void* src, size_t bytes);
+  // `local`: src is this rank's own memory, not a peer's slot. Returns
+  // whether the stores were streaming (the slot is then not in this core's
+  // cache).
+  bool writeSlot(char* slot, const void* src, size_t bytes, bool local);
   void postSend();
   const char* awaitRecvSlot();
   void releaseRecv();

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -38,19 +39,27 @@ namespace pyddp {
 
 class SlotStoreChooser {
  public:
-  // Smaller writes are cached and not timed: a clock read (tens of ns) is
-  // no longer small beside them, and a piece this small crosses the
-  // distance in few lines whatever its stores.
+  // Smaller writes are cached and not timed: a timed write's two clock
+  // reads (33 ns each on the AMD EPYC VM) would be 10% or more of it (16 KiB
+  // at 23 GB/s: 0.7 us), and pieces this small come from small messages or
+  // small slots, whose time goes to meeting the peer more than to copying.
   static constexpr size_t kMinChosenBytes = 16 * 1024;
+  // The first chosen writes are cached and not timed: they touch the ring's
+  // slots for the first time (page faults, several times a copy's time),
+  // which would count against whichever kind they were timed for. 16: twice
+  // round the default ring of 8 slots (common/config.h).
+  static constexpr uint64_t kWarmupWrites = 16;
   // One write in 4 of the preferred kind timed: two clock reads per 64 KiB
   // piece cost 2% of a cached write between near cores; one in 4 costs 0.5%.
-  static constexpr uint32_t kSampleEvery = 4;
+  static constexpr uint64_t kSampleEvery = 4;
   // One write in 64 with the other kind: a piece of the wrong kind costs
   // about twice the right one's time on near cores and four times on far
   // ones, so exploring costs 1.5-5% (one in 32 cost up to 10% on far cores,
-  // 2-rank all_gather of 1 MiB); a change of case is noticed within 64
-  // pieces (0.3-1 ms of copying 64 KiB pieces).
-  static constexpr uint32_t kExploreEvery = 64;
+  // 2-rank all_gather of 1 MiB). Cores moving apart are noticed within a
+  // few samples of the preferred kind (about 16 writes); moving back, only
+  // the explorations measure cached stores, and it takes about three of
+  // them (about 200 writes: 1-2 ms of copying 64 KiB pieces).
+  static constexpr uint64_t kExploreEvery = 64;
   // How much faster than cached stores streaming ones must be for the writer
   // to be worth their cost to the reader, who then reads the piece from
   // memory instead of from the writer's cache. In the table above the
@@ -76,11 +85,16 @@ class SlotStoreChooser {
   explicit SlotStoreChooser(SlotStores mode)
       : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached) {}
 
-  // How to write the next slot write of `bytes`.
-  Pick next(size_t bytes) {
+  // How to make the next slot write, of `bytes` from a source that is
+  // `local` to the writer (its own tensor) or not: a forwarded piece's copy
+  // also reads the previous rank's slot, across a distance of its own, so
+  // its time says nothing certain about the slot's; it follows the choice
+  // and is not timed.
+  Pick next(size_t bytes, bool local) {
     if (mode_ != SlotStores::Auto) return {mode_ == SlotStores::Streaming, false};
     if (bytes < kMinChosenBytes) return {false, false};
-    ++writes_;
+    if (!local) return {prefersStreaming(), false};
+    if (++writes_ <= kWarmupWrites) return {false, false};
     // Each kind is measured once before either is preferred.
     if (nsPerByte_[kCached] == 0) return {false, true};
     if (nsPerByte_[kStreaming] == 0) return {true, true};
@@ -91,6 +105,7 @@ class SlotStoreChooser {
 
   // A timed write of `bytes` took `nanoseconds`.
   void observe(bool streaming, size_t bytes, double nanoseconds) {
+    if (bytes == 0 || !std::isfinite(nanoseconds) || nanoseconds < 0) return;
     const double sample = nanoseconds / static_cast<double>(bytes);
     double& average = nsPerByte_[streaming ? kStreaming : kCached];
     // 0 is "not measured yet": a write measured at 0 ns (a coarse clock)
@@ -119,7 +134,7 @@ class SlotStoreChooser {
   static constexpr int kStreaming = 1;
 
   const SlotStores mode_;
-  uint32_t writes_ = 0;  // chosen writes so far
+  uint64_t writes_ = 0;  // chosen writes of local pieces so far
   double nsPerByte_[2] = {0, 0};
 };
 

@@ -40,8 +40,9 @@ class RingLink {
 
   // Send `bytes` of src.
   virtual void send(const void* src, size_t bytes) = 0;
-  // Send `bytes` of src and copy them to dst (unless dst == src), reading
-  // src once: a rank's own block of an all-gather.
+  // Send `bytes` of src and copy them to dst (unless dst == src), while
+  // the piece is in this core's cache: a rank's own block of an all-gather,
+  // whose input is then read from memory once.
   virtual void sendCopy(const void* src, void* dst, size_t bytes) = 0;
   // Receive into dst.
   virtual void recv(void* dst, size_t bytes) = 0;
