@@ -22,9 +22,9 @@
 // so each rank chooses for itself, from its own clock, with no word to its
 // peers (the reader reads a slot the same way however it was written).
 // Which case holds can change from one second to the next, so the choice
-// is kept current: it follows a moving average of nanoseconds per byte for
-// each kind, times one write in kSampleEvery of the kind it prefers, and
-// writes one in kExploreEvery with the other kind.
+// is kept current: it follows an estimate of nanoseconds per byte for each
+// kind (the floor of its recent times), times one write in kSampleEvery of
+// the kind it prefers, and writes one in kExploreEvery with the other kind.
 #pragma once
 
 #include <algorithm>
@@ -56,7 +56,7 @@ class SlotStoreChooser {
   // about twice the right one's time on near cores and four times on far
   // ones, so exploring costs 1.5-5% (one in 32 cost up to 10% on far cores,
   // 2-rank all_gather of 1 MiB). Cores moving apart are noticed within a
-  // few samples of the preferred kind (about 16 writes); moving back, only
+  // few samples of the preferred kind (about 20 writes); moving back, only
   // the explorations measure cached stores, and it takes about three of
   // them (about 200 writes: 1-2 ms of copying 64 KiB pieces).
   static constexpr uint64_t kExploreEvery = 64;
@@ -65,17 +65,22 @@ class SlotStoreChooser {
   // memory instead of from the writer's cache. In the table above the
   // writer's ratio (cached time / streaming time) is 0.5-0.6 on near cores,
   // where the whole handoff favours cached stores by about 2x, and 4.6 on
-  // far ones, where it favours streaming stores by about 2x: the break-even
-  // lies near 2, with a margin of 2x or more on either side.
-  static constexpr double kStreamingAdvantage = 2.0;
-  // Weight of a new time in its kind's average, and the most a sample may
-  // count for, as a multiple of the average: an average follows a change
-  // of case (a factor of 4-6 for cached stores) within a few samples, and
-  // one odd sample (a copy preempted for a time slice, 1000 times its usual
-  // time) raises it by at most 1.75x, which flips no choice made by a
-  // factor of kStreamingAdvantage or more.
-  static constexpr double kWeight = 0.25;
-  static constexpr double kMaxSampleStep = 4.0;
+  // far ones, where it favours streaming stores by about 2x. The times of
+  // pyddp's own ranks (2 ranks, the AMD EPYC VM) put it at 0.7-1.05 near
+  // for all_gather of 1 MiB, 1.4-1.9 for 16 MiB, up to 1.6 under DDP's
+  // backward (`python -m pyddp.bench ddp`), and at 3.5-6.0 far: 2.5 leaves
+  // 1.3x on the near side and 1.4x on the far one.
+  static constexpr double kStreamingAdvantage = 2.5;
+  // Each kind's estimate is the floor of its times: a lower sample sets it,
+  // a higher one raises it by at most this factor. A copy's time has a floor
+  // (what it costs) and noise above it (a copy preempted for a time slice,
+  // 1000 times its usual time; the cache taken by DDP's backward on the
+  // same core): with a moving average, noise counted most against the kind
+  // sampled most, the preferred one, and `python -m pyddp.bench ddp` read
+  // 0.24-0.38x torch's overhead under auto against 0.14-0.23x cached. A
+  // real rise (4-6x for cached stores when the cores move apart) is
+  // followed within 4-5 samples.
+  static constexpr double kMaxRise = 1.5;
 
   struct Pick {
     bool streaming;
@@ -107,15 +112,11 @@ class SlotStoreChooser {
   void observe(bool streaming, size_t bytes, double nanoseconds) {
     if (bytes == 0 || !std::isfinite(nanoseconds) || nanoseconds < 0) return;
     const double sample = nanoseconds / static_cast<double>(bytes);
-    double& average = nsPerByte_[streaming ? kStreaming : kCached];
+    double& estimate = nsPerByte_[streaming ? kStreaming : kCached];
     // 0 is "not measured yet": a write measured at 0 ns (a coarse clock)
     // counts as the smallest positive time.
     const double positive = sample > 0 ? sample : 1e-9;
-    if (average == 0) {
-      average = positive;
-    } else {
-      average += kWeight * (std::min(positive, kMaxSampleStep * average) - average);
-    }
+    estimate = estimate == 0 ? positive : std::min(positive, kMaxRise * estimate);
   }
 
   // Whether a write that is not exploring would be streaming.
@@ -125,7 +126,7 @@ class SlotStoreChooser {
            nsPerByte_[kStreaming] * kStreamingAdvantage < nsPerByte_[kCached];
   }
 
-  // The moving averages, ns per byte (0: not measured yet).
+  // The estimates, ns per byte (0: not measured yet).
   double cachedNsPerByte() const { return nsPerByte_[kCached]; }
   double streamingNsPerByte() const { return nsPerByte_[kStreaming]; }
 
