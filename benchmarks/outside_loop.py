@@ -48,64 +48,58 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+Call = Callable[[], None]
+
+
+def _checked(ours: Call, theirs: Call, outputs: tuple[torch.Tensor, torch.Tensor],
+             expected: torch.Tensor, reset: Call = lambda: None
+             ) -> tuple[Call, Call, Callable[[], Optional[str]]]:
+    """``(ours, theirs, check)``: check runs both once (after ``reset``) and compares
+    both outputs with ``expected``."""
+    def check() -> Optional[str]:
+        reset()
+        ours()
+        theirs()
+        return None if all(torch.equal(o, expected) for o in outputs) else "wrong result"
+    return ours, theirs, check
+
+
 def calls(op: str, nbytes: int, pg: pyddp.ProcessGroup, comm: MPI.Comm
-          ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], Optional[str]]]:
+          ) -> tuple[Call, Call, Callable[[], Optional[str]]]:
     """(pyddp's call, MPI's call, a check of both results) for ``op`` on ``nbytes`` per rank."""
     n, world, rank = nbytes // 4, comm.Get_size(), comm.Get_rank()
-    mine = torch.arange(n, dtype=torch.float32) % 97 + rank
+    base = torch.arange(n, dtype=torch.float32) % 97
+    mine = base + rank
     if op == "barrier":
         return pg.barrier, comm.Barrier, lambda: None
-    if op == "all_reduce":
+    if op in ("all_reduce", "broadcast"):
         t, m = mine.clone(), mine.clone()
-        expected = sum(torch.arange(n, dtype=torch.float32) % 97 + r for r in range(world))
 
-        def check_all_reduce() -> Optional[str]:
+        def reset() -> None:
             t.copy_(mine)
             m.copy_(mine)
-            pg.all_reduce(t)
-            comm.Allreduce(MPI.IN_PLACE, m.numpy())
-            return None if torch.equal(t, expected) and torch.equal(m, expected) else "wrong sum"
-        return (lambda: pg.all_reduce(t)), (lambda: comm.Allreduce(MPI.IN_PLACE, m.numpy())), \
-            check_all_reduce
+        if op == "all_reduce":
+            return _checked(lambda: pg.all_reduce(t),
+                            lambda: comm.Allreduce(MPI.IN_PLACE, m.numpy()), (t, m),
+                            sum(base + r for r in range(world)), reset)
+        return _checked(lambda: pg.broadcast(t, 0), lambda: comm.Bcast(m.numpy(), 0), (t, m),
+                        base, reset)
     if op == "all_gather":
         out, mout = torch.empty(world * n), torch.empty(world * n)
-        expected = torch.cat([torch.arange(n, dtype=torch.float32) % 97 + r for r in range(world)])
         a, mo = mine.numpy(), mout.numpy()
-
-        def check_all_gather() -> Optional[str]:
-            pg.all_gather_single(out, mine)
-            comm.Allgather(a, mo)
-            ok = torch.equal(out, expected) and torch.equal(mout, expected)
-            return None if ok else "wrong blocks"
-        return (lambda: pg.all_gather_single(out, mine)), (lambda: comm.Allgather(a, mo)), \
-            check_all_gather
-    if op == "broadcast":
-        t, m = mine.clone(), mine.clone()
-        root = torch.arange(n, dtype=torch.float32) % 97
-
-        def check_broadcast() -> Optional[str]:
-            pg.broadcast(t, 0)
-            comm.Bcast(m.numpy(), 0)
-            return None if torch.equal(t, root) and torch.equal(m, root) else "not the root's"
-        return (lambda: pg.broadcast(t, 0)), (lambda: comm.Bcast(m.numpy(), 0)), check_broadcast
+        return _checked(lambda: pg.all_gather_single(out, mine), lambda: comm.Allgather(a, mo),
+                        (out, mout), torch.cat([base + r for r in range(world)]))
     if op == "reduce_scatter":
         inp = torch.cat([mine + 1000 * k for k in range(world)])
         out, mout = torch.empty(n), torch.empty(n)
-        expected = sum(torch.arange(n, dtype=torch.float32) % 97 + r + 1000 * rank
-                       for r in range(world))
         a, mo = inp.numpy(), mout.numpy()
-
-        def check_reduce_scatter() -> Optional[str]:
-            pg.reduce_scatter_single(out, inp)
-            comm.Reduce_scatter_block(a, mo)
-            ok = torch.equal(out, expected) and torch.equal(mout, expected)
-            return None if ok else "wrong block sums"
-        return (lambda: pg.reduce_scatter_single(out, inp)), \
-            (lambda: comm.Reduce_scatter_block(a, mo)), check_reduce_scatter
+        return _checked(lambda: pg.reduce_scatter_single(out, inp),
+                        lambda: comm.Reduce_scatter_block(a, mo), (out, mout),
+                        sum(base + r + 1000 * rank for r in range(world)))
     raise ValueError(f"unknown op {op}")
 
 
-def loop(f: Callable[[], None], iters: int, comm: MPI.Comm) -> float:
+def loop(f: Call, iters: int, comm: MPI.Comm) -> float:
     """Seconds per call of ``iters`` calls of ``f``, started together on every rank."""
     comm.Barrier()
     start = time.perf_counter()
