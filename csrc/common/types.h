@@ -135,15 +135,6 @@ inline const char* toString(Algo a) {
   return "unknown";
 }
 
-inline const char* toString(SlotStores s) {
-  switch (s) {
-    case SlotStores::Auto: return "auto";
-    case SlotStores::Cached: return "cached";
-    case SlotStores::Streaming: return "streaming";
-  }
-  return "unknown";
-}
-
 inline const char* toString(CollectiveKind k) {
   switch (k) {
     case CollectiveKind::AllReduce: return "all_reduce";
