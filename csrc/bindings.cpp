@@ -319,6 +319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
       .def_readwrite("p2p_buffer_bytes", &RingOptions::p2pBufferBytes)
       .def_readwrite("slot_stores", &RingOptions::slotStores)
+      .def_readwrite("cma_min_bytes", &RingOptions::cmaMinBytes)
       .def("validate", &RingOptions::validate);
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
@@ -418,7 +419,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("options", &RingEngine::options)
       .def_property_readonly("registered_refusal", &RingEngine::registeredRefusal,
                              "Why this engine never reads registered tensors (pyddp.empty) "
-                             "in place; \"\" if it does at the sizes that measured faster.");
+                             "in place; \"\" if it does at the sizes that measured faster.")
+      .def_property_readonly("process_refusal", &RingEngine::processRefusal,
+                             "Why this engine never reads peers' plain tensors through the "
+                             "kernel (cross-memory attach); \"\" if it does from "
+                             "options.cma_min_bytes per rank on.");
 #ifdef PYDDP_WITH_CUDA
   py::class_<NcclEngine, Engine, c10::intrusive_ptr<NcclEngine>>(
       m, "NcclEngine", "NCCL's own collectives.")

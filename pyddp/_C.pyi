@@ -41,6 +41,7 @@ class RingOptions:
     timeout_ms: int
     p2p_buffer_bytes: int
     slot_stores: SlotStores
+    cma_min_bytes: int
     def __init__(self, other: Optional["RingOptions"] = ...) -> None: ...
     def validate(self) -> None: ...
 
@@ -110,6 +111,9 @@ class RingEngine(Engine):
     @property
     def registered_refusal(self) -> str:
         """Why registered tensors are never read in place; "" if they are."""
+    @property
+    def process_refusal(self) -> str:
+        """Why peers' plain tensors are never read through the kernel; "" if they are."""
 
 class NcclEngine(Engine):  # CUDA builds only
     @property

@@ -210,6 +210,12 @@ class ProcessGroup:
                 "the engine does not read registered tensors in place")
             logger.info("%s: registered tensors (pyddp.empty): %s", who,
                         f"read through staging: {refusal}" if refusal else "read in place")
+            refusal = engine.process_refusal if isinstance(engine, _C.RingEngine) else (
+                "the engine does not read peers' memory through the kernel")
+            logger.info("%s: plain tensors: %s", who,
+                        f"not read through the kernel: {refusal}" if refusal else
+                        "all_gather and broadcast read through the kernel from "
+                        f"{self._options.cma_min_bytes} bytes per rank")
             self._cpu_engine = engine
             now = engine.direct_entries(list(_SUPPORTED_OPS.items()))
             self._all_reduce_now = now["all_reduce"]

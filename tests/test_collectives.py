@@ -1,6 +1,6 @@
 """Collectives on 2, 3 and 4 spawned ranks against independent references.
 
-Each world size starts its ranks once (module fixture) with four groups:
+Each world size starts its ranks once (module fixture) with six groups:
 ``auto`` (backend "auto", default settings: small all-reduces direct,
 large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
@@ -8,7 +8,9 @@ tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
 256-byte staging buffers, so small tensors take many rounds),
 ``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers) and
 ``streaming`` (ring forced, with 320-byte slots that every rank writes with
-streaming stores, transport/slot_stores.h).
+streaming stores, transport/slot_stores.h) and ``cma`` (all_gather and
+broadcast read the peers' tensors through the kernel at every size:
+cross-memory attach, tests/test_cma.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def _setup(ctx: RankContext) -> None:
     # Streaming stores forced: auto picks them only where they measure faster.
     ctx.groups["streaming"] = group("streaming", algo=pyddp.Algo.RING, slot_bytes=320,
                                     num_slots=2, slot_stores=pyddp.SlotStores.STREAMING)
+    # Every all_gather and broadcast of a byte or more reads the peers' plain
+    # tensors through the kernel (cross-memory attach).
+    ctx.groups["cma"] = group("cma", cma_min_bytes=1)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
 
@@ -62,7 +67,7 @@ def ranks(request):
 
 
 def _counts(group: str) -> list:
-    return SMALL_COUNTS + ([LARGE] if group == "auto" else [])
+    return SMALL_COUNTS + ([LARGE] if group in ("auto", "cma") else [])
 
 
 # --- functions run on every rank -------------------------------------------
@@ -434,12 +439,12 @@ def test_bitwise_ops_refuse_floating_tensors(ranks):
     ranks.run(_bitwise_ops_refuse_floating_tensors)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming", "cma"])
 def test_all_gather_every_dtype(ranks, group):
     ranks.run(_all_gather_cases, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "streaming"])
+@pytest.mark.parametrize("group", ["auto", "ring", "streaming", "cma"])
 def test_broadcast_every_dtype_and_root(ranks, group):
     ranks.run(_broadcast_cases, group)
 

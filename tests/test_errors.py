@@ -126,6 +126,12 @@ def test_bad_settings_in_environment(monkeypatch):
     with pytest.raises(ValueError, match="PYDDP_SLOT_STORES='uncached' is not one of auto, "
                                          "cached, streaming"):
         pyddp.RingOptions()
+    monkeypatch.delenv("PYDDP_SLOT_STORES")
+    for text, says in (("-1", "PYDDP_CMA_MIN_BYTES='-1' must not be negative"),
+                       ("1M", "PYDDP_CMA_MIN_BYTES='1M' is not an integer")):
+        monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", text)
+        with pytest.raises(ValueError, match=says):
+            pyddp.RingOptions()
 
 
 def test_rank_that_never_joins_is_named_and_nothing_is_left():
@@ -759,6 +765,9 @@ def test_settings_come_from_the_environment(monkeypatch):
         assert pyddp.RingOptions().slot_stores == kind
     monkeypatch.delenv("PYDDP_SLOT_STORES")
     assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
+    assert pyddp.RingOptions().cma_min_bytes == 0
+    monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", "1048576")
+    assert pyddp.RingOptions().cma_min_bytes == 1 << 20
 
 
 def _stall_inside(ctx: RankContext) -> str:

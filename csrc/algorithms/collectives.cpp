@@ -307,36 +307,62 @@ void barrier(const Call& c) {
 }
 
 RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine, size_t bytes,
-                                int root) {
-  PYDDP_CHECK(!c.arrived && mem.capacityBytes() >= sizeof(registered::Ref),
+                                int root, InPlaceReads reads) {
+  PYDDP_CHECK(!c.arrived && mem.capacityBytes() >= sizeof(TensorWhere),
               "a registered collective arrives with its staging buffer");
   // stage where my tensor lies, and arrive with it
-  const registered::Ref own = registered::locate(mine, bytes);
+  const TensorWhere own{mine ? registered::locate(mine, bytes) : registered::Ref{},
+                        reinterpret_cast<uintptr_t>(mine)};
   std::memcpy(mem.stagingBuffer(), &own, sizeof own);
   mem.enterStaged(c.desc, c.deadline);
-  // the tensors read, if all are registered
-  c10::SmallVector<registered::Ref, kInlineRanks> refs(c.worldSize);
-  for (int k = 0; k < c.worldSize; ++k) {
-    std::memcpy(&refs[k], mem.peerBuffer(k), sizeof refs[k]);
-    if ((root < 0 || k == root) && refs[k].serial == 0) return {};
-  }
-  // mapped here
-  RegisteredView view{ConstRankPtrs(c.worldSize)};
+  // how each tensor read is reached: mapped, through the kernel, or not at all
+  RegisteredView view{ConstRankPtrs(c.worldSize), c10::SmallVector<bool, kInlineRanks>(c.worldSize)};
+  c10::SmallVector<TensorWhere, kInlineRanks> where(c.worldSize);
   for (int k = 0; k < c.worldSize; ++k) {
     if (root >= 0 && k != root) continue;
-    view.tensors[k] = k == c.rank ? mine : mem.registeredTensor(k, refs[k], bytes);
+    std::memcpy(&where[k], mem.peerBuffer(k), sizeof where[k]);
+    const bool mapped = reads.mapped && where[k].ref.serial != 0;
+    if (!mapped && !(reads.throughKernel && where[k].address != 0)) return {};
+    view.remote[k] = !mapped && k != c.rank;
+  }
+  // mapped here
+  for (int k = 0; k < c.worldSize; ++k) {
+    if (root >= 0 && k != root) continue;
+    view.tensors[k] = k == c.rank                ? mine
+        : view.remote[k] ? reinterpret_cast<const void*>(where[k].address)
+                         : mem.registeredTensor(k, where[k].ref, bytes);
   }
   return view;
 }
 
+namespace {
+
+// `bytes` of rank k's tensor from `offset` on into dst, as the view reaches it.
+void readTensor(const Call& c, PeerMemory& mem, const RegisteredView& view, int k, void* dst,
+                size_t offset, size_t bytes) {
+  const void* src = at(view.tensors[k], offset, 1);
+  if (view.remote[k]) {
+    mem.readProcess(k, dst, reinterpret_cast<uintptr_t>(src), bytes);
+  } else {
+    c.transport.local().copy(dst, src, bytes);
+  }
+}
+
+void requireMapped(const RegisteredView& view) {
+  for (bool remote : view.remote) {
+    PYDDP_CHECK(!remote, "a registered reduction reads mapped tensors only");
+  }
+}
+
+} // namespace
+
 void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& in,
                          DataType dtype, c10::ArrayRef<void*> outBlocks, size_t blockCount) {
-  LocalOps& ops = c.transport.local();
   const size_t bytes = blockCount * elementSize(dtype);
   // every block from where its rank's input lies (my own last: no peer waits for it)
   for (int k = 1; k <= c.worldSize; ++k) {
     const int b = schedule::mod(c.rank + k, c.worldSize);
-    ops.copy(outBlocks[b], in.tensors[b], bytes);
+    readTensor(c, mem, in, b, outBlocks[b], 0, bytes);
   }
   // no peer reads my input any more
   mem.exchange();
@@ -345,13 +371,14 @@ void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& i
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root) {
   // the root's buf to mine
-  if (c.rank != root) c.transport.local().copy(buf, bufs.tensors[root], bytes);
+  if (c.rank != root) readTensor(c, mem, bufs, root, buf, 0, bytes);
   // no rank reads the root's buf any more
   mem.exchange();
 }
 
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
                          const kernels::ReduceSpec& spec, void* buf, size_t count) {
+  requireMapped(bufs);
   LocalOps& ops = c.transport.local();
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
@@ -377,6 +404,7 @@ void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& b
 
 void registeredReduceScatter(const Call& c, PeerMemory& mem, const RegisteredView& in,
                              const kernels::ReduceSpec& spec, void* out, size_t blockCount) {
+  requireMapped(in);
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
   ConstRankPtrs src(n);

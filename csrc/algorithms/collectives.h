@@ -7,6 +7,8 @@
 #include <c10/util/SmallVector.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "transport/transport.h"
@@ -74,32 +76,55 @@ void barrier(const Call& c);
 // one copy. It meets its peers more often than a staged one-round form
 // (all-gather and broadcast once more: no rank leaves while a peer reads
 // its tensor; all-reduce twice, its blocks are reduced before they are
-// read), so it pays for larger messages only.
+// read), so it pays for larger messages only. All-gather and broadcast also
+// read a peer's plain tensor this way, through the kernel
+// (PeerMemory::readProcess: cross-memory attach), where the group allows it.
+
+// What a rank stages at the arrival of such a collective: where its
+// tensor lies. Read by peers of another build: the layout is pinned.
+struct alignas(8) TensorWhere {
+  registered::Ref ref;  // serial 0: not in registered memory
+  uint64_t address;     // its first byte in the owner's process; 0: not offered
+};
+static_assert(std::is_trivially_copyable_v<TensorWhere> &&
+              std::is_standard_layout_v<TensorWhere>);
+static_assert(offsetof(TensorWhere, ref) == 0 && offsetof(TensorWhere, address) == 40 &&
+              sizeof(TensorWhere) == 48);
+
+// How a collective may reach its peers' tensors: `mapped`, a registered
+// one mapped here; `throughKernel`, any offered one through
+// PeerMemory::readProcess. Agreed by every rank (the engine's refusals).
+struct InPlaceReads {
+  bool mapped = false;
+  bool throughKernel = false;
+};
 
 // The tensors a registered collective reads, as this rank reaches them:
-// its own where it is, a peer's mapped read-only. Empty when one of them
-// is not registered: the collective takes another algorithm.
+// its own where it is, a peer's mapped read-only or, where remote[k], an
+// address in rank k's process. Empty when one of them cannot be reached:
+// the collective takes another algorithm.
 struct RegisteredView {
   ConstRankPtrs tensors;  // by rank; nullptr for a rank not read
+  c10::SmallVector<bool, kInlineRanks> remote;
   bool usable() const { return !tensors.empty(); }
 };
-// The arrival of a collective that may run on registered tensors: every
-// rank stages where its tensor `mine` (`bytes` long) lies in registered
-// memory and arrives with it (one meeting, as PeerMemory::enterStaged).
-// The tensors read are every rank's (root -1) or the root's; they are
-// mapped if all of them are registered. A caller that goes on with another
+// The arrival of a collective that may read its tensors in place: every
+// rank stages where its tensor `mine` (`bytes` long; nullptr: not offered)
+// lies and arrives with it (one meeting, as PeerMemory::enterStaged). The
+// tensors read are every rank's (root -1) or the root's; the view reaches
+// them as `reads` allows, or is empty. A caller that goes on with another
 // algorithm passes it a copy of `c` with `arrived` set.
 RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine, size_t bytes,
-                                int root = -1);
-// ringAllGather's result, each peer's block read from its registered input.
+                                int root, InPlaceReads reads);
+// ringAllGather's result, each peer's block read from its input in place.
 void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& in,
                          DataType dtype, c10::ArrayRef<void*> outBlocks, size_t blockCount);
-// buf of rank `root` to buf of every rank, read from the root's registered
-// buf (the other ranks' need not be registered).
+// buf of rank `root` to buf of every rank, read from the root's buf in
+// place (the other ranks' are not read).
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root);
 // buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every
-// rank's registered buf: rank b reduces block b of every buf into its own,
+// rank's registered buf (mapped: a view with no remote tensor): rank b reduces block b of every buf into its own,
 // then every rank copies each block from the rank that reduced it.
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
                          const kernels::ReduceSpec& spec, void* buf, size_t count);

@@ -98,6 +98,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   userLink_ = transport_->messages(directory, Lane::User);
   if (userLink_) p2p_ = std::make_unique<P2pExecutor>(rank, *userLink_);
   registeredRefusal_ = whyNotReadRegistered();
+  processRefusal_ = whyNotReadProcesses();
   startExecutor();
 }
 
@@ -196,23 +197,41 @@ Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
   return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
 }
 
-std::string RingEngine::whyNotReadRegistered() const {
+std::string RingEngine::whyNotReadInPlace() const {
   const PeerMemory* mem = transport_->peerMemory();
-  if (!cpuExec_) return "registered memory is CPU memory";
+  if (!cpuExec_) return "the tensors are not in CPU memory";
   if (options_.algo != Algo::Auto) {
     return std::string("algo is ") + toString(options_.algo) + ", not auto";
   }
   if (!mem) return transport_->name() + std::string(" does not map peers' memory");
-  if (mem->capacityBytes() < sizeof(registered::Ref)) {
+  if (mem->capacityBytes() < sizeof(algorithms::TensorWhere)) {
     return "no staging buffers to say where the tensors lie (direct_max_bytes and "
            "two_shot_max_bytes are 0)";
   }
-  return mem->whyNotMapRegistered();
+  return "";
+}
+
+std::string RingEngine::whyNotReadRegistered() const {
+  const std::string why = whyNotReadInPlace();
+  return why.empty() ? transport_->peerMemory()->whyNotMapRegistered() : why;
+}
+
+std::string RingEngine::whyNotReadProcesses() const {
+  const std::string why = whyNotReadInPlace();
+  return why.empty() ? transport_->peerMemory()->whyNotReadProcesses() : why;
+}
+
+bool RingEngine::readsThroughKernel(CollectiveKind kind, size_t bytes) const {
+  return processRefusal_.empty() &&
+      (kind == CollectiveKind::AllGather || kind == CollectiveKind::Broadcast) &&
+      bytes >= options_.cmaMinBytes;
 }
 
 Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
-  return registeredRefusal_.empty() && readsRegistered(kind, bytes) ? Algo::Registered
-                                                                    : fallback;
+  return (registeredRefusal_.empty() && readsRegistered(kind, bytes)) ||
+          readsThroughKernel(kind, bytes)
+      ? Algo::Registered
+      : fallback;
 }
 
 template <typename Run>
@@ -220,7 +239,10 @@ bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t byt
                                Run&& run) {
   if (c.desc.algo != Algo::Registered) return false;
   PeerMemory* mem = transport_->peerMemory();
-  const algorithms::RegisteredView view = algorithms::arriveRegistered(c, *mem, mine, bytes, root);
+  const algorithms::InPlaceReads reads{registeredRefusal_.empty(),
+                                       readsThroughKernel(c.desc.kind, bytes)};
+  const algorithms::RegisteredView view =
+      algorithms::arriveRegistered(c, *mem, mine, bytes, root, reads);
   c.arrived = true;
   if (!view.usable()) return false;
   run(*mem, view);

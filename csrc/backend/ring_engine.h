@@ -44,6 +44,10 @@ class RingEngine final : public Engine {
   // at the sizes readsRegistered() takes): "" on every rank or on none when
   // the ranks' options agree.
   const std::string& registeredRefusal() const { return registeredRefusal_; }
+  // Why this engine never reads peers' plain tensors through the kernel
+  // (cross-memory attach; "" if it may, for all-gathers and broadcasts of
+  // at least options().cmaMinBytes per rank), agreed as registeredRefusal().
+  const std::string& processRefusal() const { return processRefusal_; }
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
@@ -138,11 +142,20 @@ class RingEngine final : public Engine {
   // Registered memory: a collective of `kind` on `bytes` per rank may read
   // its tensors where they lie (descriptor algo Registered, compared across
   // ranks) unless registeredRefusal() says why not, at a size
-  // readsRegistered() takes; else it runs `fallback`.
+  // readsRegistered() takes, or through the kernel (readsThroughKernel);
+  // else it runs `fallback`.
   Algo registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const;
-  // Set once connected: on the CPU, under algo auto, with staging room for
-  // a registered::Ref and every peer's memory mapped.
+  // Whether a collective of `kind` on `bytes` per rank reads peers' plain
+  // tensors through the kernel (all-gather and broadcast: a single copy).
+  bool readsThroughKernel(CollectiveKind kind, size_t bytes) const;
+  // Set once connected: whyNotReadInPlace(), or every peer's registered
+  // memory mapped.
   std::string whyNotReadRegistered() const;
+  // The same, with every peer's process read through the kernel.
+  std::string whyNotReadProcesses() const;
+  // What both need: the CPU, algo auto, a transport that maps peers'
+  // memory with staging room for an algorithms::TensorWhere.
+  std::string whyNotReadInPlace() const;
   // For a collective whose descriptor says Registered: runs `run(mem, view)`
   // and returns true when every tensor it reads is registered; else returns
   // false, with `c` marked arrived if it arrived here.
@@ -165,6 +178,7 @@ class RingEngine final : public Engine {
   std::unique_ptr<P2pExecutor> p2p_;
   std::atomic<uint64_t> monitoredBarriers_{0};  // calls so far, for their tags
   std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
+  std::string processRefusal_;     // whyNotReadProcesses(), once connected
 };
 
 } // namespace pyddp

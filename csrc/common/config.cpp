@@ -17,9 +17,11 @@ constexpr const char* kDebugVar = "PYDDP_DEBUG";
 constexpr const char* kHostIdVar = "PYDDP_HOSTID";
 constexpr const char* kP2pBufferVar = "PYDDP_P2P_BUFFER_BYTES";
 constexpr const char* kSlotStoresVar = "PYDDP_SLOT_STORES";
+constexpr const char* kCmaMinVar = "PYDDP_CMA_MIN_BYTES";
 constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar,  kDirectMaxVar,
                                     kTwoShotMaxVar, kAlgoVar,      kDebugVar,
-                                    kHostIdVar,     kP2pBufferVar, kSlotStoresVar};
+                                    kHostIdVar,     kP2pBufferVar, kSlotStoresVar,
+                                    kCmaMinVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -79,6 +81,10 @@ RingOptions RingOptions::fromEnv() {
   PYDDP_CHECK_VALUE(p2pBuffer >= 0, kP2pBufferVar, "='", p2pBuffer, "' must not be negative");
   o.p2pBufferBytes = static_cast<size_t>(p2pBuffer);
   o.slotStores = parseSlotStores(envOr(kSlotStoresVar, "auto"));
+  const long long cmaMin =
+      parseInt(kCmaMinVar, envOr(kCmaMinVar, std::to_string(kDefaultCmaMinBytes)));
+  PYDDP_CHECK_VALUE(cmaMin >= 0, kCmaMinVar, "='", cmaMin, "' must not be negative");
+  o.cmaMinBytes = static_cast<size_t>(cmaMin);
   o.validate();
   return o;
 }

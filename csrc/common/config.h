@@ -38,6 +38,12 @@ struct RingOptions {
   // How this rank writes the pieces it copies into its ring slots
   // (transport/slot_stores.h). Each rank's own: ranks may differ.
   SlotStores slotStores;
+  // All-gathers and broadcasts of at least this many bytes per rank read
+  // each peer's plain (unregistered) tensor where it lies, through Linux
+  // cross-memory attach (process_vm_readv): one copy, made by the kernel,
+  // instead of one into a ring slot and one out. 0: never. Every rank must
+  // use the same value: connecting checks it.
+  size_t cmaMinBytes;
 
   static RingOptions fromEnv();
   void validate() const;  // throws ValueError naming the offending setting
@@ -86,6 +92,17 @@ constexpr size_t kRegisteredAllReduceMinBytes = 512 * 1024;
 constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
 bool readsRegistered(CollectiveKind kind, size_t bytes);
+// RingOptions::cmaMinBytes by default: 0 (never). On the 2-core AMD EPYC
+// VM of benchmarks/README.md ("Single copy through the kernel"), `python
+// benchmarks/side_by_side.py cma OP BYTES`, 2 ranks, rounds alternating
+// between the ring's slots and the kernel copy, put the kernel copy's time
+// per call at 0.6-2x the slots' from 64 KiB to 4 MiB (all_gather and
+// broadcast), below 1 in one batch and above in the next at the same size,
+// with where the host ran the two vCPUs at the time, and at 1.2-1.5x at 16
+// and 64 MiB (all_gather). Taking it would need a choice per call that
+// follows the placement; until then a machine whose kernel copies faster
+// sets PYDDP_CMA_MIN_BYTES from its own run of that script.
+constexpr size_t kDefaultCmaMinBytes = 0;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Four 64 MiB messages, or any number of small ones, ahead of the receives
 // that want them.

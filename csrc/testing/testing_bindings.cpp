@@ -61,6 +61,7 @@ void bindTesting(py::module_& m) {
   });
   t.def("num_pieces", &schedule::numPieces);
   t.def("registered_maps_made", &registered::PeerMaps::mapsMade);
+  t.def("process_reads", &shm::ShmTransport::processReads);
   t.def("chain_position", &schedule::chainPosition);
   // The CPU kernels over contiguous tensors; partials are float32 for half
   // types and the element type otherwise.

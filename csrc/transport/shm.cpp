@@ -1,11 +1,15 @@
 #include "transport/shm.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <iomanip>
@@ -42,6 +46,9 @@ struct Blob {
   int numSlots = 0;
   size_t directBytes = 0;
   registered::Ref probe;  // serial 0: the rank could not make one
+  size_t cmaMinBytes = 0;
+  uint64_t processProbe = 0;  // the probe word's address in the rank's process
+  uint64_t processToken = 0;  // what it holds
 };
 
 std::string encodeBlob(const Blob& b) {
@@ -59,6 +66,9 @@ std::string encodeBlob(const Blob& b) {
       .put("probe_inode", b.probe.inode)
       .put("probe_bytes", b.probe.mapBytes)
       .put("probe_fd", b.probe.fd)
+      .put("cma_min_bytes", b.cmaMinBytes)
+      .put("process_probe", b.processProbe)
+      .put("process_token", b.processToken)
       .str();
 }
 
@@ -75,6 +85,9 @@ Blob decodeBlob(const std::string& text, int peer) {
          r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
   b.probe = registered::Ref{r.get<uint64_t>("probe_serial"), r.get<uint64_t>("probe_inode"),
                             r.get<uint64_t>("probe_bytes"), 0, b.pid, r.get<int32_t>("probe_fd")};
+  b.cmaMinBytes = r.get<size_t>("cma_min_bytes");
+  b.processProbe = r.get<uint64_t>("process_probe");
+  b.processToken = r.get<uint64_t>("process_token");
   return b;
 }
 
@@ -92,6 +105,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       p2pBufferBytes_(options.p2pBufferBytes),
+      cmaMinBytes_(options.cmaMinBytes),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
       spinPhase_(Backoff::spinPhaseFor(worldSize)),
@@ -109,6 +123,7 @@ ShmTransport::~ShmTransport() {
   if (probe_) registered::release(probe_);
   for (auto& s : segments_) {
     if (s.base) munmap(s.base, s.bytes);
+    if (s.pidfd >= 0) close(s.pidfd);
   }
 }
 
@@ -172,6 +187,10 @@ std::string ShmTransport::setup() {
   own.pid = h->pid;
   own.pidVisible = true;
   Blob blob{ownName_, hostId_, pidNamespace_, h->pid, bytes, slotBytes_, numSlots_, directBytes_};
+  blob.cmaMinBytes = cmaMinBytes_;
+  processProbe_ = std::random_device()() | 1;
+  blob.processProbe = reinterpret_cast<uintptr_t>(&processProbe_);
+  blob.processToken = processProbe_;
   // A page of registered memory for the peers to try (connect()): a rank
   // that cannot make one still connects, and the group reads through
   // staging.
@@ -213,12 +232,14 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     PYDDP_CHECK(why.empty(), "rank ", rank_, ": shm transport cannot reach ", why);
     const Blob& b = peers[peer];
     PYDDP_CHECK_VALUE(
-        b.slotBytes == slotBytes_ && b.numSlots == numSlots_ && b.directBytes == directBytes_,
+        b.slotBytes == slotBytes_ && b.numSlots == numSlots_ && b.directBytes == directBytes_ &&
+            b.cmaMinBytes == cmaMinBytes_,
         "rank ", rank_, " and rank ", peer,
         " use different shm geometry (slot_bytes ", slotBytes_, " vs ", b.slotBytes,
         ", num_slots ", numSlots_, " vs ", b.numSlots, ", staging bytes ", directBytes_,
-        " vs ", b.directBytes,
-        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS and PYDDP_DIRECT_MAX_BYTES alike on all ranks");
+        " vs ", b.directBytes, ", cma_min_bytes ", cmaMinBytes_, " vs ", b.cmaMinBytes,
+        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS, PYDDP_DIRECT_MAX_BYTES and "
+        "PYDDP_CMA_MIN_BYTES alike on all ranks");
   }
   // Store values are not trusted: the segment is mapped with the size this
   // rank computes, and only once the file proves it is a peer's segment of
@@ -283,6 +304,37 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
   if (probe_) registeredRefusal_ = whyNotMapPeers();
   segments_[rank_].header->mapsRegistered.store(registeredRefusal_.empty() ? 1 : 0,
                                                  std::memory_order_release);
+  std::vector<ProcessProbe> probes(worldSize_);
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    probes[peer] = ProcessProbe{peers[peer].processProbe, peers[peer].processToken};
+  }
+  processRefusal_ = whyNotReadPeers(probes);
+  segments_[rank_].header->readsProcesses.store(processRefusal_.empty() ? 1 : 0,
+                                                 std::memory_order_release);
+}
+
+std::string ShmTransport::whyNotReadPeers(const std::vector<ProcessProbe>& probes) {
+  if (cmaMinBytes_ == 0) return "cma_min_bytes (PYDDP_CMA_MIN_BYTES) is 0";
+  for (int peer = 0; peer < worldSize_; ++peer) {
+    if (peer == rank_) continue;
+    Segment& s = segments_[peer];
+    const std::string who = "rank " + std::to_string(peer) + " (pid " + std::to_string(s.pid) + ")";
+    if (!s.pidVisible) return who + " runs in another pid namespace";
+    s.pidfd = static_cast<int>(syscall(SYS_pidfd_open, s.pid, 0));
+    if (s.pidfd < 0) return "cannot pin " + who + " (pidfd_open): " + errnoText();
+    uint64_t token = 0;
+    iovec local{&token, sizeof token};
+    iovec remote{reinterpret_cast<void*>(probes[peer].address), sizeof token};
+    if (process_vm_readv(s.pid, &local, 1, &remote, 1, 0) != sizeof token) {
+      return "process_vm_readv of " + who + " failed: " + errnoText() +
+          " (the kernel lets a process read another's memory only where it could ptrace it: "
+          "the same user, and kernel.yama.ptrace_scope 0 or a container that allows it)";
+    }
+    if (token != probes[peer].token) {
+      return "process_vm_readv of " + who + " read another value than its blob names";
+    }
+  }
+  return "";
 }
 
 void ShmTransport::connected() {
@@ -300,6 +352,12 @@ void ShmTransport::connected() {
   }
   registered::release(probe_);
   probe_ = nullptr;
+  for (int peer = 0; peer < worldSize_ && processRefusal_.empty(); ++peer) {
+    if (header(peer).readsProcesses.load(std::memory_order_acquire) != 1) {
+      processRefusal_ =
+          "rank " + std::to_string(peer) + " cannot read every peer's memory through the kernel";
+    }
+  }
 }
 
 std::string ShmTransport::channelName(Lane lane, int src, int dst) const {
@@ -625,6 +683,50 @@ const void* ShmTransport::peerBuffer(int rank) const {
 const void* ShmTransport::registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {
   Segment& s = segments_[rank];
   return s.tensors.map(ref, bytes, s.pid, rank);
+}
+
+namespace {
+std::atomic<uint64_t> processReadsCount{0};
+} // namespace
+
+uint64_t ShmTransport::processReads() {
+  return processReadsCount.load(std::memory_order_relaxed);
+}
+
+void ShmTransport::readProcess(int rank, void* dst, uint64_t address, size_t bytes) {
+  const Segment& s = segments_[rank];
+  // The kernel copies from the peer's page tables as they are during the
+  // call: a peer that exited (its pid then names nothing, or, once reaped,
+  // another process: hence the pidfd below) or unmapped the range fails it.
+  size_t done = 0;
+  while (done < bytes) {
+    iovec local{static_cast<char*>(dst) + done, bytes - done};
+    iovec remote{reinterpret_cast<char*>(address) + done, bytes - done};
+    const ssize_t got = process_vm_readv(s.pid, &local, 1, &remote, 1, 0);
+    if (got > 0) {
+      done += static_cast<size_t>(got);
+      continue;
+    }
+    const std::string why = got < 0 ? errnoText() : "no progress";
+    PYDDP_CHECK_COMM(peerStillIn(rank), "rank ", rank, " (pid ", s.pid, ") exited while rank ",
+                     rank_, " read its tensor in ", currentCall());
+    PYDDP_CHECK_COMM(false, "rank ", rank_, ": ", currentCall(), ": process_vm_readv of ",
+                     bytes - done, " bytes of rank ", rank, "'s tensor (pid ", s.pid,
+                     ") failed: ", why);
+  }
+  // A peer releases its tensor only after the collective's next meeting
+  // (which this rank has not reached), or after it gave up or died: the
+  // bytes read are its tensor's unless one of those happened first.
+  PYDDP_CHECK_COMM(peerStillIn(rank), "rank ", rank, " (pid ", s.pid, ") exited while rank ",
+                   rank_, " read its tensor in ", currentCall());
+  failIfGaveUp(rank, current_.seq);
+  processReadsCount.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool ShmTransport::peerStillIn(int rank) const {
+  pollfd p{segments_[rank].pidfd, POLLIN, 0};
+  // readable once the process has exited
+  return poll(&p, 1, 0) == 0;
 }
 
 } // namespace shm

@@ -44,9 +44,12 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // The layout and the protocol below: builds that read the same flags
 // differently (3: an arrival may publish a staged round; 4: the round an
 // arrival publishes may hold a registered::Ref; 5: mapsRegistered and the
-// probe named in the blob) do not connect: the blob says its layout first,
-// so a peer of another version is named as such before its fields are read.
-constexpr uint32_t kLayoutVersion = 5;
+// probe named in the blob; 6: readsProcesses, the cross-memory attach probe
+// and cma_min_bytes in the blob, and the round an arrival publishes holds
+// an algorithms::TensorWhere) do not connect: the blob says its layout
+// first, so a peer of another version is named as such before its fields
+// are read.
+constexpr uint32_t kLayoutVersion = 6;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
@@ -133,6 +136,9 @@ struct alignas(kCacheLine) SegmentHeader {
   // (connect()); 0 if it could not. Written before the rank tells the store
   // it connected, read by peers after every rank has (connected()).
   std::atomic<uint32_t> mapsRegistered;
+  // 1 once this rank has read every peer's cross-memory attach probe
+  // (connect()); 0 if it could not. Written and read as mapsRegistered.
+  std::atomic<uint32_t> readsProcesses;
   Counter arrived;   // newest collective this rank entered
   Counter staged;    // direct rounds this rank has staged
   Counter posted;    // ring pieces this rank has written to its slots
@@ -151,6 +157,7 @@ static_assert(offsetof(SegmentHeader, magic) == 0 &&
               offsetof(SegmentHeader, slotBytes) == 24 &&
               offsetof(SegmentHeader, directBytes) == 32 &&
               offsetof(SegmentHeader, mapsRegistered) == 40 &&
+              offsetof(SegmentHeader, readsProcesses) == 44 &&
               offsetof(SegmentHeader, arrived) == 64 &&
               offsetof(SegmentHeader, staged) == 128 && offsetof(SegmentHeader, posted) == 192 &&
               offsetof(SegmentHeader, consumed) == 256 && offsetof(SegmentHeader, failed) == 320 &&
@@ -222,6 +229,13 @@ class ShmTransport final : public Transport,
   // memory of every peer (a probe each rank makes in setup()).
   std::string whyNotMapRegistered() const override { return registeredRefusal_; }
   const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) override;
+  // Agreed while connecting: "" when every rank read every peer's probe
+  // word through process_vm_readv (connect()).
+  std::string whyNotReadProcesses() const override { return processRefusal_; }
+  void readProcess(int rank, void* dst, uint64_t address, size_t bytes) override;
+  // Copies made by readProcess() in this process so far: tests see through
+  // it which path a collective took.
+  static uint64_t processReads();
 
  private:
   struct Segment {
@@ -233,6 +247,9 @@ class ShmTransport final : public Transport,
     int pid = 0;
     bool pidVisible = false;  // same pid namespace: liveness can be checked
     registered::PeerMaps tensors;  // the peer's registered tensors mapped here
+    // The peer's process, pinned (pidfd_open) where pidVisible: unlike its
+    // pid, never another process's once it exits. -1: none.
+    int pidfd = -1;
   };
 
   // Points `s` at a mapping of `bytes` at `base`. Peers' segments are
@@ -267,6 +284,16 @@ class ShmTransport final : public Transport,
   // On the newest collective this rank entered, or on the next one.
   void giveUp(const std::string& why, bool onNext);
   bool peerAlive(int rank) const;
+  // Whether rank `rank`'s pinned process (Segment::pidfd) has not exited.
+  bool peerStillIn(int rank) const;
+  // Why this rank cannot read every peer's probe word through the kernel
+  // ("" if it can), pinning each peer's process on the way. By rank: the
+  // word's address in the peer's process, and what it holds.
+  struct ProcessProbe {
+    uint64_t address = 0;
+    uint64_t token = 0;
+  };
+  std::string whyNotReadPeers(const std::vector<ProcessProbe>& probes);
   // "all_reduce #3": the collective waits are in, for messages.
   std::string currentCall() const;
   // The segment name of `lane`'s channel src -> dst: src's segment name
@@ -280,6 +307,7 @@ class ShmTransport final : public Transport,
   const int numSlots_;
   const size_t directBytes_;
   const size_t p2pBufferBytes_;
+  const size_t cmaMinBytes_;
   const std::string hostId_;
   const std::string pidNamespace_;
   // How long a wait spins before it yields (Backoff::spinPhaseFor,
@@ -295,6 +323,13 @@ class ShmTransport final : public Transport,
   void* probe_ = nullptr;
   // Why this group does not read registered tensors in place ("" if it does).
   std::string registeredRefusal_ = "the group is not connected";
+  // A word the peers read through process_vm_readv while connecting, to
+  // learn whether the kernel lets them; it holds a value of this rank's
+  // choosing, named in the blob.
+  uint64_t processProbe_ = 0;
+  // Why this group does not read peers' plain tensors through the kernel
+  // ("" if it does).
+  std::string processRefusal_ = "the group is not connected";
   std::vector<Segment> segments_;  // by rank; segments_[rank_] is our own
   std::atomic<bool> aborted_{false};
   std::atomic<bool> abandoned_{false};  // the failure text is (being) written

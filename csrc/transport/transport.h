@@ -115,6 +115,18 @@ class PeerMemory {
   virtual const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) {
     PYDDP_CHECK(false, "this transport does not map registered memory");
   }
+  // Cross-memory attach, for CPU tensors: why not every rank can read every
+  // peer's memory through the kernel ("" on every rank or on none), and a
+  // copy of `bytes` at `address` in rank `rank`'s process into `dst`, which
+  // fails (naming the rank) unless rank `rank` was alive and still in this
+  // collective when the copy ended: the bytes are then those its tensor
+  // held, not memory it had already let go.
+  virtual std::string whyNotReadProcesses() const {
+    return "the transport does not read peers' processes";
+  }
+  virtual void readProcess(int rank, void* dst, uint64_t address, size_t bytes) {
+    PYDDP_CHECK(false, "this transport does not read peers' processes");
+  }
 };
 
 // Where connections made after bootstrap (point-to-point channels, made on

@@ -1,15 +1,20 @@
-"""Cached, streaming and auto slot stores side by side, round after round.
+"""pyddp groups that differ in one setting, side by side, round after round.
 
-Two spawned ranks make three pyddp groups, identical but for
-``RingOptions.slot_stores`` (CACHED, STREAMING, AUTO), and time a loop of one
-collective on each in turn, round after round, so that all three see the
-same placement of the two ranks' cores even when the host moves them
-(benchmarks/README.md, "Where the host puts the two vCPUs"). Prints each
-round's time per call for the three, and auto's time over the faster of the
-other two (1: auto picked right). Each group's first call is checked against
-the expected result.
+Two spawned ranks make one pyddp group per variant of a comparison, identical
+but for the options it names, and time a loop of one collective on each in
+turn, round after round, so that all see the same placement of the two
+ranks' cores even when the host moves them (benchmarks/README.md, "Where the
+host puts the two vCPUs"). Prints each round's time per call for each
+variant, and the last variant's time over the fastest of the others. Each
+group's first call is checked against the expected result. Comparisons:
 
-    python benchmarks/slot_stores.py [all_gather|broadcast|all_reduce] [bytes per rank] [rounds]
+- ``slot_stores``: ``RingOptions.slot_stores`` CACHED, STREAMING and AUTO
+  (last/best 1: auto picked right);
+- ``cma``: the ring's slots (``cma_min_bytes`` 0) and a single copy through
+  the kernel (``cma_min_bytes`` 1: cross-memory attach).
+
+    python benchmarks/side_by_side.py [slot_stores|cma] [all_gather|broadcast|all_reduce] \
+        [bytes per rank] [rounds]
 
 Run benchmarks/core_distance.cpp before and after to know which case a run saw.
 """
@@ -27,8 +32,12 @@ import torch
 
 import pyddp
 
-KINDS = (("cached", pyddp.SlotStores.CACHED), ("streaming", pyddp.SlotStores.STREAMING),
-         ("auto", pyddp.SlotStores.AUTO))
+COMPARISONS = {
+    "slot_stores": (("cached", {"slot_stores": pyddp.SlotStores.CACHED}),
+                    ("streaming", {"slot_stores": pyddp.SlotStores.STREAMING}),
+                    ("auto", {"slot_stores": pyddp.SlotStores.AUTO})),
+    "cma": (("slots", {"cma_min_bytes": 0}), ("cma", {"cma_min_bytes": 1})),
+}
 ROUND_SECONDS = 0.02
 """How long one group's loop of a round copies, at the 2 GB/s it reaches at the least."""
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -37,12 +46,14 @@ RESULTS_SECONDS = 600
 """How long the parent waits for all rounds."""
 
 
-def _rank(rank: int, rendezvous: str, op: str, nbytes: int, rounds: int, results) -> None:
+def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rounds: int,
+          results) -> None:
     torch.set_num_threads(1)
     groups = {}
-    for name, kind in KINDS:
+    for name, settings in COMPARISONS[comparison]:
         options = pyddp.RingOptions()
-        options.slot_stores = kind
+        for key, value in settings.items():
+            setattr(options, key, value)
         groups[name] = pyddp.new_group("shm", init_method=f"file://{rendezvous}.{name}",
                                        rank=rank, world_size=2, timeout=TIMEOUT,
                                        options=options)
@@ -82,17 +93,21 @@ def _rank(rank: int, rendezvous: str, op: str, nbytes: int, rounds: int, results
 
 
 def main() -> None:
-    op = sys.argv[1] if len(sys.argv) > 1 else "all_gather"
-    nbytes = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    comparison = sys.argv[1] if len(sys.argv) > 1 else "slot_stores"
+    op = sys.argv[2] if len(sys.argv) > 2 else "all_gather"
+    nbytes = int(sys.argv[3]) if len(sys.argv) > 3 else 1 << 20
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    if comparison not in COMPARISONS:
+        raise SystemExit(f"unknown comparison {comparison!r}: one of {', '.join(COMPARISONS)}")
     if op not in ("all_gather", "broadcast", "all_reduce"):
         raise SystemExit(f"unknown op {op!r}")
     if nbytes < 4 or rounds < 1:
         raise SystemExit("bytes per rank must be at least 4 (one float32), rounds at least 1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rendezvous = tempfile.mktemp(prefix="pyddp-slot-stores-")
-    procs = [ctx.Process(target=_rank, args=(r, rendezvous, op, nbytes, rounds, results))
+    rendezvous = tempfile.mktemp(prefix="pyddp-side-by-side-")
+    procs = [ctx.Process(target=_rank,
+                         args=(r, rendezvous, comparison, op, nbytes, rounds, results))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -113,12 +128,12 @@ def main() -> None:
     if len(rows) < rounds or any(p.exitcode != 0 for p in procs):
         raise SystemExit(f"a rank failed: {len(rows)} of {rounds} rounds, exit codes "
                          f"{[p.exitcode for p in procs]}")
+    names = [name for name, _ in COMPARISONS[comparison]]
     print(f"# {op}, {nbytes} bytes per rank, 2 ranks: us per call")
-    print(f"{'cached':>10} {'streaming':>10} {'auto':>10} {'auto/best':>10}")
+    print("".join(f"{name:>10} " for name in names) + f"{names[-1] + '/best':>12}")
     for row in rows:
-        cached, streaming, auto = (seconds * 1e6 for seconds in row)
-        print(f"{cached:>10.1f} {streaming:>10.1f} {auto:>10.1f} "
-              f"{auto / min(cached, streaming):>10.2f}")
+        times = [seconds * 1e6 for seconds in row]
+        print("".join(f"{t:>10.1f} " for t in times) + f"{times[-1] / min(times[:-1]):>12.2f}")
 
 
 if __name__ == "__main__":
