@@ -10,8 +10,9 @@ group's first call is checked against the expected result. Comparisons:
 
 - ``slot_stores``: ``RingOptions.slot_stores`` CACHED, STREAMING and AUTO
   (last/best 1: auto picked right);
-- ``cma``: the ring's slots (``cma_min_bytes`` 0) and a single copy through
-  the kernel (``cma_min_bytes`` 1: cross-memory attach).
+- ``cma``: all_gather and broadcast through the ring's slots (``cma``
+  NEVER), through a single copy by the kernel (ALWAYS: cross-memory attach)
+  and as rank 0 picks from its times (AUTO; last/best 1: it picked right).
 
     python benchmarks/side_by_side.py [slot_stores|cma] [all_gather|broadcast|all_reduce] \
         [bytes per rank] [rounds]
@@ -36,7 +37,9 @@ COMPARISONS = {
     "slot_stores": (("cached", {"slot_stores": pyddp.SlotStores.CACHED}),
                     ("streaming", {"slot_stores": pyddp.SlotStores.STREAMING}),
                     ("auto", {"slot_stores": pyddp.SlotStores.AUTO})),
-    "cma": (("slots", {"cma_min_bytes": 0}), ("cma", {"cma_min_bytes": 1})),
+    "cma": (("slots", {"cma": pyddp.CmaReads.NEVER}),
+            ("kernel", {"cma": pyddp.CmaReads.ALWAYS, "cma_min_bytes": 0}),
+            ("auto", {"cma": pyddp.CmaReads.AUTO})),
 }
 ROUND_SECONDS = 0.02
 """How long one group's loop of a round copies, at the 2 GB/s it reaches at the least."""

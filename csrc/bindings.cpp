@@ -308,6 +308,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("CACHED", SlotStores::Cached)
       .value("STREAMING", SlotStores::Streaming);
 
+  py::enum_<CmaReads>(m, "CmaReads",
+                      "Whether all_gather and broadcast read peers' plain CPU tensors "
+                      "through the kernel (cross-memory attach) from cma_min_bytes per rank "
+                      "on: on the calls a measurement picks (AUTO), on every call "
+                      "(ALWAYS), or NEVER.")
+      .value("AUTO", CmaReads::Auto)
+      .value("ALWAYS", CmaReads::Always)
+      .value("NEVER", CmaReads::Never);
+
   py::class_<RingOptions>(m, "RingOptions")
       .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
       .def(py::init<const RingOptions&>(), "A copy.")
@@ -319,6 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
       .def_readwrite("p2p_buffer_bytes", &RingOptions::p2pBufferBytes)
       .def_readwrite("slot_stores", &RingOptions::slotStores)
+      .def_readwrite("cma", &RingOptions::cma)
       .def_readwrite("cma_min_bytes", &RingOptions::cmaMinBytes)
       .def("validate", &RingOptions::validate);
 
@@ -422,8 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "in place; \"\" if it does at the sizes that measured faster.")
       .def_property_readonly("process_refusal", &RingEngine::processRefusal,
                              "Why this engine never reads peers' plain tensors through the "
-                             "kernel (cross-memory attach); \"\" if it does from "
-                             "options.cma_min_bytes per rank on.");
+                             "kernel (cross-memory attach); \"\" if it may, as "
+                             "options.cma says, from options.cma_min_bytes per rank on.");
 #ifdef PYDDP_WITH_CUDA
   py::class_<NcclEngine, Engine, c10::intrusive_ptr<NcclEngine>>(
       m, "NcclEngine", "NCCL's own collectives.")

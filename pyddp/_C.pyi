@@ -32,6 +32,11 @@ class SlotStores:
     CACHED: "SlotStores"
     STREAMING: "SlotStores"
 
+class CmaReads:
+    AUTO: "CmaReads"
+    ALWAYS: "CmaReads"
+    NEVER: "CmaReads"
+
 class RingOptions:
     slot_bytes: int
     num_slots: int
@@ -41,6 +46,7 @@ class RingOptions:
     timeout_ms: int
     p2p_buffer_bytes: int
     slot_stores: SlotStores
+    cma: CmaReads
     cma_min_bytes: int
     def __init__(self, other: Optional["RingOptions"] = ...) -> None: ...
     def validate(self) -> None: ...

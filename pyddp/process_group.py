@@ -29,6 +29,7 @@ ReduceOp = dist.ReduceOp
 RingOptions = _C.RingOptions
 Algo = _C.Algo
 SlotStores = _C.SlotStores
+CmaReads = _C.CmaReads
 
 _SUPPORTED_OPS = {
     ReduceOp.SUM: _C.RedOp.SUM,
@@ -214,7 +215,8 @@ class ProcessGroup:
                 "the engine does not read peers' memory through the kernel")
             logger.info("%s: plain tensors: %s", who,
                         f"not read through the kernel: {refusal}" if refusal else
-                        "all_gather and broadcast read through the kernel from "
+                        f"all_gather and broadcast may read through the kernel "
+                        f"({self._options.cma.name.lower()}) from "
                         f"{self._options.cma_min_bytes} bytes per rank")
             self._cpu_engine = engine
             now = engine.direct_entries(list(_SUPPORTED_OPS.items()))

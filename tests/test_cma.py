@@ -4,7 +4,9 @@ through the kernel (process_vm_readv), one copy instead of two.
 Results are checked against single-process references (collective_cases)
 here, and on every dtype, size and world size by the ``cma`` group of
 test_collectives. Which path a collective took is seen through the number of
-such reads this process has made (``_testing.process_reads``).
+such reads this process has made (``_testing.process_reads``). Rank 0's
+choice between the kernel and the ring's slots (backend/cma_chooser.h) is
+fed modelled times here, without processes, and must follow them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from test_registered import _as_nobody_rank_1_closed, registered_copy
 
 MIN_BYTES = 64 * 1024
 COUNT = MIN_BYTES // 4  # float32 elements per rank: exactly cma_min_bytes
+ALWAYS, AUTO, NEVER = pyddp.CmaReads.ALWAYS, pyddp.CmaReads.AUTO, pyddp.CmaReads.NEVER
 
 
 def _group(ctx: RankContext, name: str, **opts) -> pyddp.ProcessGroup:
@@ -38,9 +41,10 @@ def _group(ctx: RankContext, name: str, **opts) -> pyddp.ProcessGroup:
 
 
 def _setup(ctx: RankContext) -> None:
-    ctx.groups["cma"] = _group(ctx, "cma", cma_min_bytes=MIN_BYTES)
-    ctx.groups["default"] = _group(ctx, "default")
-    ctx.groups["ring"] = _group(ctx, "ring", algo=pyddp.Algo.RING, cma_min_bytes=MIN_BYTES)
+    ctx.groups["cma"] = _group(ctx, "cma", cma=ALWAYS, cma_min_bytes=MIN_BYTES)
+    ctx.groups["auto"] = _group(ctx, "auto")
+    ctx.groups["never"] = _group(ctx, "never", cma=NEVER)
+    ctx.groups["ring"] = _group(ctx, "ring", algo=pyddp.Algo.RING, cma=ALWAYS)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
@@ -87,40 +91,69 @@ def test_smaller_messages_take_the_staged_path(ranks):
     assert set(ranks.run(_reads, COUNT - 1)) == {(0, 0, 0)}
 
 
+def _registered_reads(ctx: RankContext) -> tuple:
+    """Kernel reads and peer tensors mapped by _reads on registered tensors."""
+    before = _testing.registered_maps_made()
+    return _reads(ctx, COUNT, True), _testing.registered_maps_made() - before
+
+
 def test_registered_tensors_are_mapped_not_read_through_the_kernel(ranks):
-    assert set(ranks.run(_reads, COUNT, True)) == {(0, 0, 0)}
+    results = ranks.run(_registered_reads)
+    n = len(results)
+    # all_gather maps each peer's input, broadcast the root's (on the other
+    # ranks), all_reduce (below its registered window) nothing
+    assert results == [((0, 0, 0), n - 1 + (0 if r == 1 else 1)) for r in range(n)]
 
 
-@pytest.mark.parametrize("group", ["default", "ring"])
+@pytest.mark.parametrize("group", ["never", "ring"])
 def test_groups_that_do_not_read_through_the_kernel_run_as_before(ranks, group):
     assert set(ranks.run(_reads, COUNT, False, group)) == {(0, 0, 0)}
 
 
+def _auto_picks(ctx: RankContext) -> list:
+    """Kernel reads of each of the auto group's first all_gathers of a size
+    (its default cma_min_bytes, 256 KiB per rank)."""
+    count = ctx.groups["auto"].options.cma_min_bytes // 4
+    return [_reads(ctx, count, group="auto")[0] for _ in range(2)]
+
+
+def test_every_rank_takes_the_path_rank_0_picks(ranks):
+    # Rank 0's chooser measures the kernel path first, then the slots: the
+    # other ranks, which choose nothing, follow it.
+    picks = ranks.run(_auto_picks)
+    n = len(picks)
+    assert picks == [[n - 1, 0]] * n
+
+
 def _refusals(ctx: RankContext) -> tuple:
-    return tuple(ctx.groups[g]._cpu_engine.process_refusal for g in ("cma", "default", "ring"))
+    return tuple(ctx.groups[g]._cpu_engine.process_refusal
+                 for g in ("cma", "auto", "never", "ring"))
 
 
 def test_the_groups_say_why_they_do_not_read_through_the_kernel(ranks):
     # The kernel allows it between processes of one user that may trace
     # each other (no Yama ptrace_scope above 0 on this machine and CI's).
-    for cma, default, ring in ranks.run(_refusals):
-        assert cma == ""
-        assert default == "cma_min_bytes (PYDDP_CMA_MIN_BYTES) is 0"
+    for cma, auto, never, ring in ranks.run(_refusals):
+        assert cma == auto == ""
+        assert never == "cma (PYDDP_CMA) is never"
         assert ring == "algo is ring, not auto"
 
 
-def _uneven_minimum(ctx: RankContext) -> str:
-    return raises(ValueError, "cma_min_bytes", _group, ctx, "uneven",
-                  cma_min_bytes=MIN_BYTES * (ctx.rank + 1))
+def _uneven(ctx: RankContext, setting: str) -> str:
+    values = {"cma_min_bytes": MIN_BYTES * (ctx.rank + 1),
+              "cma": ALWAYS if ctx.rank == 0 else AUTO}
+    return raises(ValueError, setting, _group, ctx, "uneven " + setting,
+                  **{setting: values[setting]})
 
 
-def test_ranks_with_different_cma_min_bytes_fail_naming_it(ranks):
-    for said in ranks.run(_uneven_minimum):
-        assert "PYDDP_CMA_MIN_BYTES alike on all ranks" in said
+@pytest.mark.parametrize("setting", ["cma", "cma_min_bytes"])
+def test_ranks_with_different_settings_fail_naming_them(ranks, setting):
+    for said in ranks.run(_uneven, setting):
+        assert "PYDDP_CMA and PYDDP_CMA_MIN_BYTES alike on all ranks" in said
 
 
 def _one_rank_closed(ctx: RankContext) -> tuple:
-    ctx.groups["cma"] = _group(ctx, "cma", cma_min_bytes=1)
+    ctx.groups["cma"] = _group(ctx, "cma", cma=ALWAYS, cma_min_bytes=1)
     return ctx.groups["cma"]._cpu_engine.process_refusal, _reads(ctx, COUNT)
 
 
@@ -151,7 +184,7 @@ def _dead(pid: int) -> bool:
 
 
 def _reader(ctx: RankContext, root_pid: int) -> tuple:
-    pg = _group(ctx, "killed", cma_min_bytes=1)
+    pg = _group(ctx, "killed", cma=ALWAYS, cma_min_bytes=1)
     deadline = time.monotonic() + 30
     while not _dead(root_pid):
         assert time.monotonic() < deadline, "rank 1 did not die"
@@ -162,7 +195,7 @@ def _reader(ctx: RankContext, root_pid: int) -> tuple:
 
 
 def _root_killed_in_its_broadcast(ctx: RankContext, root_pid: int) -> None:
-    pg = _group(ctx, "killed", cma_min_bytes=1)
+    pg = _group(ctx, "killed", cma=ALWAYS, cma_min_bytes=1)
     pg.broadcast(torch.ones(COUNT), 1, async_op=True)
     # The broadcast arrives (stages where its tensor lies) within
     # milliseconds, then waits for rank 0, which arrives only once this rank
@@ -183,3 +216,99 @@ def test_a_root_killed_before_its_tensor_is_read_is_named_and_nothing_is_left():
     assert f"rank 1 (pid {pid}) exited while rank 0 read its tensor in broadcast #" in said, said
     assert reads == 0
     assert pyddp_segments() == []
+
+
+# --- rank 0's choice, fed modelled times -----------------------------------------
+
+# ns per byte per rank, from benchmarks/README.md ("Single copy through the
+# kernel"): all_gather of 1 MiB, the slots near (about 200 us) and far (about
+# 280 us), the kernel copy at about 180 us either way.
+SLOTS_NEAR, SLOTS_FAR, KERNEL = 200e3 / (1 << 20), 280e3 / (1 << 20), 180e3 / (1 << 20)
+SIZE = 1 << 20
+
+
+def _call(chooser, kernel_cost, slots_cost, size=SIZE, broadcast=False):
+    """One collective as rank 0 runs it; returns whether it read through the kernel."""
+    kernel, timed = chooser.next(broadcast, size)
+    assert timed
+    chooser.observe(broadcast, size, kernel, (kernel_cost if kernel else slots_cost) * size)
+    return kernel
+
+
+def _calls(chooser, kernel_cost, slots_cost, n, **kwargs):
+    return [_call(chooser, kernel_cost, slots_cost, **kwargs) for _ in range(n)]
+
+
+def test_forced_modes_are_kept_and_not_timed():
+    for mode, kernel in ((ALWAYS, True), (NEVER, False)):
+        chooser = _testing.CmaChooser(mode)
+        assert all(chooser.next(False, SIZE) == (kernel, False) for _ in range(100))
+        assert chooser.prefers_kernel(True, SIZE) == kernel
+
+
+def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other():
+    every = _testing.CmaChooser.EXPLORE_EVERY
+    chooser = _testing.CmaChooser(AUTO)
+    # the kernel first, then the slots, then the cheaper: the kernel (far cores)
+    picks = _calls(chooser, KERNEL, SLOTS_FAR, 3 * every)
+    assert picks[:2] == [True, False]
+    assert [i + 1 for i, kernel in enumerate(picks) if not kernel] == [2, every, 2 * every,
+                                                                       3 * every]
+    # The slots get cheaper (the cores moved near): the next exploration
+    # measures them below the kernel, and they are taken from then on.
+    chooser2 = _testing.CmaChooser(AUTO)
+    _calls(chooser2, KERNEL, SLOTS_FAR, every - 2)
+    assert chooser2.prefers_kernel(False, SIZE)
+    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)
+    assert not chooser2.prefers_kernel(False, SIZE)
+    assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, every) == [False] * (every - 1) + [True]
+
+
+def test_a_preferred_path_that_gets_dearer_is_left_within_a_few_calls():
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, SLOTS_NEAR * 1.2, 10)
+    assert chooser.prefers_kernel(False, SIZE)
+    # The kernel copy gets 2x dearer (the machine's other jobs): each sample
+    # raises its floor by at most 1.5x, so the slots win within two calls.
+    picks = _calls(chooser, 2 * KERNEL, SLOTS_NEAR * 1.2, 3)
+    assert picks[-1] is False and not chooser.prefers_kernel(False, SIZE)
+
+
+def test_one_slow_call_does_not_move_the_choice():
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, 2 * KERNEL, 10)
+    chooser.observe(False, SIZE, True, 1000 * KERNEL * SIZE)  # preempted for a time slice
+    assert chooser.prefers_kernel(False, SIZE)
+
+
+def test_a_near_tie_keeps_the_slots():
+    advantage = _testing.CmaChooser.KERNEL_ADVANTAGE
+    chooser = _testing.CmaChooser(AUTO)
+    picks = _calls(chooser, KERNEL, KERNEL * advantage * 0.99, 40)
+    assert picks[2:] == [False] * 29 + [True] + [False] * 8  # call 32 explores
+    chooser2 = _testing.CmaChooser(AUTO)
+    _calls(chooser2, KERNEL, KERNEL * advantage * 1.05, 3)
+    assert chooser2.prefers_kernel(False, SIZE)
+
+
+def test_each_kind_and_power_of_two_is_chosen_for_alone():
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, SLOTS_FAR, 10)  # all_gather of 1 MiB: the kernel
+    _calls(chooser, KERNEL, SLOTS_NEAR * 0.5, 10, broadcast=True)  # broadcast: the slots
+    _calls(chooser, KERNEL, SLOTS_NEAR * 0.5, 10, size=4 * SIZE)  # all_gather of 4 MiB: the slots
+    assert chooser.prefers_kernel(False, SIZE) and chooser.prefers_kernel(False, 2 * SIZE - 1)
+    assert not chooser.prefers_kernel(True, SIZE)
+    assert not chooser.prefers_kernel(False, 4 * SIZE)
+    # not measured yet: the kernel is tried first
+    assert chooser.next(False, 16 * SIZE) == (True, True)
+
+
+def test_samples_that_are_not_times_are_ignored():
+    # A near tie keeps the slots; a kernel sample taken as a time (NaN
+    # counts as the smallest, a negative one is below any) would make the
+    # kernel look cheaper.
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, KERNEL, 10)
+    for bad in (float("nan"), -1.0, float("inf")):
+        chooser.observe(False, SIZE, True, bad)
+        assert not chooser.prefers_kernel(False, SIZE), bad

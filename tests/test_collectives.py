@@ -54,7 +54,7 @@ def _setup(ctx: RankContext) -> None:
                                     num_slots=2, slot_stores=pyddp.SlotStores.STREAMING)
     # Every all_gather and broadcast of a byte or more reads the peers' plain
     # tensors through the kernel (cross-memory attach).
-    ctx.groups["cma"] = group("cma", cma_min_bytes=1)
+    ctx.groups["cma"] = group("cma", cma=pyddp.CmaReads.ALWAYS, cma_min_bytes=1)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
 

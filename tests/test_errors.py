@@ -132,6 +132,11 @@ def test_bad_settings_in_environment(monkeypatch):
         monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", text)
         with pytest.raises(ValueError, match=says):
             pyddp.RingOptions()
+    monkeypatch.delenv("PYDDP_CMA_MIN_BYTES")
+    monkeypatch.setenv("PYDDP_CMA", "sometimes")
+    with pytest.raises(ValueError, match="PYDDP_CMA='sometimes' is not one of auto, always, "
+                                         "never"):
+        pyddp.RingOptions()
 
 
 def test_rank_that_never_joins_is_named_and_nothing_is_left():
@@ -765,9 +770,14 @@ def test_settings_come_from_the_environment(monkeypatch):
         assert pyddp.RingOptions().slot_stores == kind
     monkeypatch.delenv("PYDDP_SLOT_STORES")
     assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
-    assert pyddp.RingOptions().cma_min_bytes == 0
+    options = pyddp.RingOptions()
+    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.AUTO, 256 * 1024)
     monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", "1048576")
-    assert pyddp.RingOptions().cma_min_bytes == 1 << 20
+    monkeypatch.setenv("PYDDP_CMA", "never")
+    options = pyddp.RingOptions()
+    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.NEVER, 1 << 20)
+    monkeypatch.setenv("PYDDP_CMA", "always")
+    assert pyddp.RingOptions().cma == pyddp.CmaReads.ALWAYS
 
 
 def _stall_inside(ctx: RankContext) -> str:

@@ -306,15 +306,23 @@ void barrier(const Call& c) {
   arrive(c);
 }
 
+int kernelVoter(int root, int worldSize) {
+  return root < 0 ? 0 : schedule::mod(root - 1, worldSize);
+}
+
 RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine, size_t bytes,
                                 int root, InPlaceReads reads) {
   PYDDP_CHECK(!c.arrived && mem.capacityBytes() >= sizeof(TensorWhere),
               "a registered collective arrives with its staging buffer");
   // stage where my tensor lies, and arrive with it
   const TensorWhere own{mine ? registered::locate(mine, bytes) : registered::Ref{},
-                        reinterpret_cast<uintptr_t>(mine)};
+                        reinterpret_cast<uintptr_t>(mine), reads.kernelVote ? 1u : 0u};
   std::memcpy(mem.stagingBuffer(), &own, sizeof own);
   mem.enterStaged(c.desc, c.deadline);
+  // the voter's vote: whether plain tensors are read through the kernel
+  TensorWhere voter;
+  std::memcpy(&voter, mem.peerBuffer(kernelVoter(root, c.worldSize)), sizeof voter);
+  const bool throughKernel = reads.throughKernel && voter.kernelVote == 1;
   // how each tensor read is reached: mapped, through the kernel, or not at all
   RegisteredView view{ConstRankPtrs(c.worldSize), c10::SmallVector<bool, kInlineRanks>(c.worldSize)};
   c10::SmallVector<TensorWhere, kInlineRanks> where(c.worldSize);
@@ -322,8 +330,9 @@ RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine
     if (root >= 0 && k != root) continue;
     std::memcpy(&where[k], mem.peerBuffer(k), sizeof where[k]);
     const bool mapped = reads.mapped && where[k].ref.serial != 0;
-    if (!mapped && !(reads.throughKernel && where[k].address != 0)) return {};
+    if (!mapped && !(throughKernel && where[k].address != 0)) return {};
     view.remote[k] = !mapped && k != c.rank;
+    view.throughKernel = view.throughKernel || !mapped;
   }
   // mapped here
   for (int k = 0; k < c.worldSize; ++k) {

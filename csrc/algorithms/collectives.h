@@ -85,18 +85,31 @@ void barrier(const Call& c);
 struct alignas(8) TensorWhere {
   registered::Ref ref;  // serial 0: not in registered memory
   uint64_t address;     // its first byte in the owner's process; 0: not offered
+  // kernelVoter()'s alone counts: 1 if the collective reads plain tensors
+  // through the kernel, where it may (backend/cma_chooser.h).
+  uint64_t kernelVote;
 };
 static_assert(std::is_trivially_copyable_v<TensorWhere> &&
               std::is_standard_layout_v<TensorWhere>);
 static_assert(offsetof(TensorWhere, ref) == 0 && offsetof(TensorWhere, address) == 40 &&
-              sizeof(TensorWhere) == 48);
+              offsetof(TensorWhere, kernelVote) == 48 && sizeof(TensorWhere) == 56);
+
+// The rank whose vote says whether a collective with root `root` (-1:
+// none) reads through the kernel: the one whose own time spans the whole
+// collective on either path. A broadcast's root would not do: on the ring
+// it returns once its last piece is in a slot, before its peers copied it
+// out; the last rank of the chain returns last. Otherwise rank 0.
+int kernelVoter(int root, int worldSize);
 
 // How a collective may reach its peers' tensors: `mapped`, a registered
 // one mapped here; `throughKernel`, any offered one through
-// PeerMemory::readProcess. Agreed by every rank (the engine's refusals).
+// PeerMemory::readProcess, if the voter votes for it (`kernelVote`, which
+// counts on kernelVoter() alone). `mapped` and `throughKernel` are alike on
+// every rank (the engine's agreed refusals and the ranks' equal options).
 struct InPlaceReads {
   bool mapped = false;
   bool throughKernel = false;
+  bool kernelVote = false;
 };
 
 // The tensors a registered collective reads, as this rank reaches them:
@@ -106,6 +119,9 @@ struct InPlaceReads {
 struct RegisteredView {
   ConstRankPtrs tensors;  // by rank; nullptr for a rank not read
   c10::SmallVector<bool, kInlineRanks> remote;
+  // Some rank reads a tensor through the kernel (a broadcast's root reads
+  // nothing, but its peers read its tensor so): alike on every rank.
+  bool throughKernel = false;
   bool usable() const { return !tensors.empty(); }
 };
 // The arrival of a collective that may read its tensors in place: every

@@ -1,5 +1,7 @@
 #include "backend/ring_engine.h"
 
+#include <chrono>
+
 #include "backend/bootstrap.h"
 #include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
@@ -71,7 +73,7 @@ bool overlapsPeerBlock(const void* p, size_t bytes, c10::ArrayRef<Ptr> blocks,
 RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        const RingOptions& options, c10::Device device,
                        const std::string& transport)
-    : Engine(rank, size, device, transport), options_(options) {
+    : Engine(rank, size, device, transport), options_(options), cma_(options.cma) {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
@@ -222,7 +224,7 @@ std::string RingEngine::whyNotReadProcesses() const {
 }
 
 bool RingEngine::readsThroughKernel(CollectiveKind kind, size_t bytes) const {
-  return processRefusal_.empty() &&
+  return processRefusal_.empty() && options_.cma != CmaReads::Never &&
       (kind == CollectiveKind::AllGather || kind == CollectiveKind::Broadcast) &&
       bytes >= options_.cmaMinBytes;
 }
@@ -234,40 +236,57 @@ Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) 
       : fallback;
 }
 
-template <typename Run>
-bool RingEngine::ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root,
-                               Run&& run) {
-  if (c.desc.algo != Algo::Registered) return false;
+template <typename Run, typename Fallback>
+void RingEngine::inPlaceOr(const algorithms::Call& call, const void* mine, size_t bytes,
+                           int root, Run&& run, Fallback&& fallback) {
+  if (call.desc.algo != Algo::Registered) return fallback(call);
+  algorithms::Call c = call;
   PeerMemory* mem = transport_->peerMemory();
-  const algorithms::InPlaceReads reads{registeredRefusal_.empty(),
-                                       readsThroughKernel(c.desc.kind, bytes)};
+  const CollectiveKind kind = c.desc.kind;
+  // the size the windows and the chooser go by, as registeredOr() did
+  const size_t perRank = c.desc.count * elementSize(c.desc.dtype);
+  const bool kernelAllowed = readsThroughKernel(kind, perRank);
+  const CmaChooser::Pick pick = kernelAllowed && rank_ == algorithms::kernelVoter(root, size_)
+      ? cma_.next(kind, perRank)
+      : CmaChooser::Pick{false, false};
+  const algorithms::InPlaceReads reads{
+      registeredRefusal_.empty() && readsRegistered(kind, perRank), kernelAllowed, pick.kernel};
   const algorithms::RegisteredView view =
       algorithms::arriveRegistered(c, *mem, mine, bytes, root, reads);
   c.arrived = true;
-  if (!view.usable()) return false;
-  run(*mem, view);
-  return true;
+  const Clock::time_point start = pick.timed ? Clock::now() : Clock::time_point{};
+  if (view.usable()) {
+    run(c, *mem, view);
+  } else {
+    fallback(c);
+  }
+  // Timed only if it ran the path picked: a view that maps every tensor
+  // took neither.
+  if (pick.timed && (pick.kernel ? view.throughKernel : !view.usable())) {
+    cma_.observe(kind, perRank, pick.kernel,
+                 std::chrono::duration<double, std::nano>(Clock::now() - start).count());
+  }
 }
 
 void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataType dtype,
                                  const void* in, c10::ArrayRef<void*> blocks, size_t count) {
-  algorithms::Call c = call;
   const size_t bytes = count * elementSize(dtype);
   // An input that overlaps a peer's block of the output would be written
   // while the peers read it: this rank then offers no registered input, and
   // every rank takes the other algorithm.
   const bool overlaps = overlapsPeerBlock(in, bytes, blocks, bytes, rank_);
-  if (ranRegistered(c, overlaps ? nullptr : in, bytes, -1,
-                    [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
-                      algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
-                    })) {
-    return;
-  }
-  if (algo == Algo::Direct) {
-    algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
-  } else {
-    algorithms::ringAllGather(c, dtype, in, blocks, count);
-  }
+  inPlaceOr(
+      call, overlaps ? nullptr : in, bytes, -1,
+      [&](const algorithms::Call& c, PeerMemory& mem, const algorithms::RegisteredView& view) {
+        algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
+      },
+      [&](const algorithms::Call& c) {
+        if (algo == Algo::Direct) {
+          algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
+        } else {
+          algorithms::ringAllGather(c, dtype, in, blocks, count);
+        }
+      });
 }
 
 WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) {
@@ -302,23 +321,25 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
       {buf},
       [=, this](const algorithms::Call& call) {
         void* data = buf.data_ptr();
-        algorithms::Call c = call;
-        if (ranRegistered(c, data, count * elementSize(s.dtype), -1,
-                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
-                            algorithms::registeredAllReduce(c, mem, view, s, data, count);
-                          })) {
-          return;
-        }
-        switch (algo) {
-          case Algo::Direct:
-            algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
-            break;
-          case Algo::TwoShot:
-            algorithms::twoShotAllReduce(c, *transport_->peerMemory(), s, data, data, count);
-            break;
-          default:
-            algorithms::ringAllReduce(c, s, data, data, count);
-        }
+        inPlaceOr(
+            call, data, count * elementSize(s.dtype), -1,
+            [&](const algorithms::Call& c, PeerMemory& mem,
+                const algorithms::RegisteredView& view) {
+              algorithms::registeredAllReduce(c, mem, view, s, data, count);
+            },
+            [&](const algorithms::Call& c) {
+              switch (algo) {
+                case Algo::Direct:
+                  algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
+                  break;
+                case Algo::TwoShot:
+                  algorithms::twoShotAllReduce(c, *transport_->peerMemory(), s, data, data,
+                                               count);
+                  break;
+                default:
+                  algorithms::ringAllReduce(c, s, data, data, count);
+              }
+            });
       },
       std::forward<Finish>(finish), call);
 }
@@ -463,14 +484,13 @@ WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallO
       [=, this](const algorithms::Call& call) {
         void* data = buf.data_ptr();
         const size_t bytes = count * elementSize(dtype);
-        algorithms::Call c = call;
-        if (ranRegistered(c, data, bytes, src,
-                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
-                            algorithms::registeredBroadcast(c, mem, view, data, bytes, src);
-                          })) {
-          return;
-        }
-        algorithms::chainBroadcast(c, data, bytes, src);
+        inPlaceOr(
+            call, data, bytes, src,
+            [&](const algorithms::Call& c, PeerMemory& mem,
+                const algorithms::RegisteredView& view) {
+              algorithms::registeredBroadcast(c, mem, view, data, bytes, src);
+            },
+            [&](const algorithms::Call& c) { algorithms::chainBroadcast(c, data, bytes, src); });
       },
       [=] { copyBack(tensor, buf); }, call);
 }
@@ -498,7 +518,6 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
                registeredOr(CollectiveKind::ReduceScatter, count * es, algo)),
       outputs, {in, out},
       [=, this](const algorithms::Call& call) {
-        algorithms::Call c = call;
         algorithms::ConstRankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
@@ -507,19 +526,20 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
         // written while that peer reads it: as in allGatherBlocks.
         const bool overlaps =
             overlapsPeerBlock<const void*>(out.data_ptr(), count * es, blocks, count * es, rank_);
-        if (ranRegistered(c, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
-                          [&](PeerMemory& mem, const algorithms::RegisteredView& view) {
-                            algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(),
-                                                                count);
-                          })) {
-          return;
-        }
-        if (algo == Algo::Direct) {
-          algorithms::directReduceScatter(c, *transport_->peerMemory(), s, blocks,
-                                          out.data_ptr(), count);
-        } else {
-          algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
-        }
+        inPlaceOr(
+            call, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
+            [&](const algorithms::Call& c, PeerMemory& mem,
+                const algorithms::RegisteredView& view) {
+              algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(), count);
+            },
+            [&](const algorithms::Call& c) {
+              if (algo == Algo::Direct) {
+                algorithms::directReduceScatter(c, *transport_->peerMemory(), s, blocks,
+                                                out.data_ptr(), count);
+              } else {
+                algorithms::ringReduceScatter(c, s, blocks, out.data_ptr(), count);
+              }
+            });
       },
       std::forward<Finish>(finish), call);
 }

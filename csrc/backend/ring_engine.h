@@ -17,6 +17,7 @@
 #include <string>
 
 #include "algorithms/collectives.h"
+#include "backend/cma_chooser.h"
 #include "backend/engine.h"
 #include "backend/executor.h"
 #include "common/config.h"
@@ -156,11 +157,16 @@ class RingEngine final : public Engine {
   // What both need: the CPU, algo auto, a transport that maps peers'
   // memory with staging room for an algorithms::TensorWhere.
   std::string whyNotReadInPlace() const;
-  // For a collective whose descriptor says Registered: runs `run(mem, view)`
-  // and returns true when every tensor it reads is registered; else returns
-  // false, with `c` marked arrived if it arrived here.
-  template <typename Run>
-  bool ranRegistered(algorithms::Call& c, const void* mine, size_t bytes, int root, Run&& run);
+  // For a collective whose descriptor says Registered: arrives with where
+  // `mine` (`bytes` long: for a reduce-scatter, its whole input) lies and
+  // runs `run(c, mem, view)` if every tensor it reads can
+  // be reached in place, else `fallback(c)` with `c` marked arrived; other
+  // descriptors run `fallback(call)`. On its kernelVoter(), where it may
+  // read through the kernel, cma_ picks whether it does and is told what it
+  // took.
+  template <typename Run, typename Fallback>
+  void inPlaceOr(const algorithms::Call& call, const void* mine, size_t bytes, int root,
+                 Run&& run, Fallback&& fallback);
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   // The transport's messages, or a TypeError naming `call`.
   MessageLink& messages(const char* call) const;
@@ -179,6 +185,9 @@ class RingEngine final : public Engine {
   std::atomic<uint64_t> monitoredBarriers_{0};  // calls so far, for their tags
   std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
   std::string processRefusal_;     // whyNotReadProcesses(), once connected
+  // Used by one collective at a time (the executor's, or a synchronous
+  // caller's holding the engine's turn).
+  CmaChooser cma_;
 };
 
 } // namespace pyddp

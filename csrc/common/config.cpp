@@ -17,11 +17,12 @@ constexpr const char* kDebugVar = "PYDDP_DEBUG";
 constexpr const char* kHostIdVar = "PYDDP_HOSTID";
 constexpr const char* kP2pBufferVar = "PYDDP_P2P_BUFFER_BYTES";
 constexpr const char* kSlotStoresVar = "PYDDP_SLOT_STORES";
+constexpr const char* kCmaVar = "PYDDP_CMA";
 constexpr const char* kCmaMinVar = "PYDDP_CMA_MIN_BYTES";
 constexpr const char* kAllVars[] = {kSlotBytesVar, kNumSlotsVar,  kDirectMaxVar,
                                     kTwoShotMaxVar, kAlgoVar,      kDebugVar,
                                     kHostIdVar,     kP2pBufferVar, kSlotStoresVar,
-                                    kCmaMinVar};
+                                    kCmaVar,        kCmaMinVar};
 
 std::string envOr(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
@@ -61,6 +62,14 @@ SlotStores parseSlotStores(const std::string& text) {
   return SlotStores::Auto;
 }
 
+CmaReads parseCma(const std::string& text) {
+  if (text == "auto") return CmaReads::Auto;
+  if (text == "always") return CmaReads::Always;
+  if (text == "never") return CmaReads::Never;
+  PYDDP_CHECK_VALUE(false, kCmaVar, "='", text, "' is not one of auto, always, never");
+  return CmaReads::Auto;
+}
+
 } // namespace
 
 RingOptions RingOptions::fromEnv() {
@@ -85,6 +94,7 @@ RingOptions RingOptions::fromEnv() {
       parseInt(kCmaMinVar, envOr(kCmaMinVar, std::to_string(kDefaultCmaMinBytes)));
   PYDDP_CHECK_VALUE(cmaMin >= 0, kCmaMinVar, "='", cmaMin, "' must not be negative");
   o.cmaMinBytes = static_cast<size_t>(cmaMin);
+  o.cma = parseCma(envOr(kCmaVar, "auto"));
   o.validate();
   return o;
 }

@@ -38,11 +38,13 @@ struct RingOptions {
   // How this rank writes the pieces it copies into its ring slots
   // (transport/slot_stores.h). Each rank's own: ranks may differ.
   SlotStores slotStores;
-  // All-gathers and broadcasts of at least this many bytes per rank read
+  // All-gathers and broadcasts of at least cmaMinBytes per rank may read
   // each peer's plain (unregistered) tensor where it lies, through Linux
   // cross-memory attach (process_vm_readv): one copy, made by the kernel,
-  // instead of one into a ring slot and one out. 0: never. Every rank must
-  // use the same value: connecting checks it.
+  // instead of one into a ring slot and one out. `cma` says on which calls
+  // (backend/cma_chooser.h). Every rank must use the same two values:
+  // connecting checks it.
+  CmaReads cma;
   size_t cmaMinBytes;
 
   static RingOptions fromEnv();
@@ -92,17 +94,15 @@ constexpr size_t kRegisteredAllReduceMinBytes = 512 * 1024;
 constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
 bool readsRegistered(CollectiveKind kind, size_t bytes);
-// RingOptions::cmaMinBytes by default: 0 (never). On the 2-core AMD EPYC
-// VM of benchmarks/README.md ("Single copy through the kernel"), `python
-// benchmarks/side_by_side.py cma OP BYTES`, 2 ranks, rounds alternating
-// between the ring's slots and the kernel copy, put the kernel copy's time
-// per call at 0.6-2x the slots' from 64 KiB to 4 MiB (all_gather and
-// broadcast), below 1 in one batch and above in the next at the same size,
-// with where the host ran the two vCPUs at the time, and at 1.2-1.5x at 16
-// and 64 MiB (all_gather). Taking it would need a choice per call that
-// follows the placement; until then a machine whose kernel copies faster
-// sets PYDDP_CMA_MIN_BYTES from its own run of that script.
-constexpr size_t kDefaultCmaMinBytes = 0;
+// RingOptions::cmaMinBytes by default. `python benchmarks/side_by_side.py
+// cma OP BYTES 6` on the 2-core AMD EPYC VM (benchmarks/README.md, "Single
+// copy through the kernel"), 2 ranks, rounds alternating between the
+// slots, the kernel copy and auto: at 64 KiB per rank the kernel copy lost
+// 1.3-1.8x in some batches (all_gather far, broadcast near) and auto's
+// broadcast cost up to 1.4x the slots' time; from 256 KiB to 16 MiB auto
+// was within 1.1x of the faster of the two in 35 of 48 rounds (within
+// 1.2x in 44), and at or below the slots' own time in 25 of them.
+constexpr size_t kDefaultCmaMinBytes = 256 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Four 64 MiB messages, or any number of small ones, ahead of the receives
 // that want them.

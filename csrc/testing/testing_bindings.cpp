@@ -12,6 +12,7 @@
 #include <map>
 
 #include "algorithms/schedule.h"
+#include "backend/cma_chooser.h"
 #include "backend/torch_types.h"
 #include "common/blob.h"
 #include "common/check.h"
@@ -155,6 +156,26 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
       .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
       .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
+  py::class_<CmaChooser>(t, "CmaChooser")
+      .def(py::init<CmaReads>())
+      .def("next",
+           [](CmaChooser& c, bool broadcast, size_t bytes) {
+             const auto pick =
+                 c.next(broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes);
+             return std::make_pair(pick.kernel, pick.timed);
+           })
+      .def("observe",
+           [](CmaChooser& c, bool broadcast, size_t bytes, bool kernel, double ns) {
+             c.observe(broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes,
+                       kernel, ns);
+           })
+      .def("prefers_kernel",
+           [](CmaChooser& c, bool broadcast, size_t bytes) {
+             return c.prefersKernel(
+                 broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes);
+           })
+      .def_readonly_static("EXPLORE_EVERY", &CmaChooser::kExploreEvery)
+      .def_readonly_static("KERNEL_ADVANTAGE", &CmaChooser::kKernelAdvantage);
   t.attr("has_streaming_stores") = kernels::kHasStreamingStores;
   t.def("streaming_copy", [](at::Tensor dst, const at::Tensor& src, size_t dstOffset,
                              size_t srcOffset, size_t bytes) {

@@ -46,6 +46,7 @@ struct Blob {
   int numSlots = 0;
   size_t directBytes = 0;
   registered::Ref probe;  // serial 0: the rank could not make one
+  int cma = 0;  // CmaReads
   size_t cmaMinBytes = 0;
   uint64_t processProbe = 0;  // the probe word's address in the rank's process
   uint64_t processToken = 0;  // what it holds
@@ -66,6 +67,7 @@ std::string encodeBlob(const Blob& b) {
       .put("probe_inode", b.probe.inode)
       .put("probe_bytes", b.probe.mapBytes)
       .put("probe_fd", b.probe.fd)
+      .put("cma", b.cma)
       .put("cma_min_bytes", b.cmaMinBytes)
       .put("process_probe", b.processProbe)
       .put("process_token", b.processToken)
@@ -85,6 +87,7 @@ Blob decodeBlob(const std::string& text, int peer) {
          r.get<int>("num_slots"),  r.get<size_t>("staging_bytes")};
   b.probe = registered::Ref{r.get<uint64_t>("probe_serial"), r.get<uint64_t>("probe_inode"),
                             r.get<uint64_t>("probe_bytes"), 0, b.pid, r.get<int32_t>("probe_fd")};
+  b.cma = r.get<int>("cma");
   b.cmaMinBytes = r.get<size_t>("cma_min_bytes");
   b.processProbe = r.get<uint64_t>("process_probe");
   b.processToken = r.get<uint64_t>("process_token");
@@ -105,6 +108,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
       p2pBufferBytes_(options.p2pBufferBytes),
+      cma_(options.cma),
       cmaMinBytes_(options.cmaMinBytes),
       hostId_(hostId()),
       pidNamespace_(pidNamespace()),
@@ -187,6 +191,7 @@ std::string ShmTransport::setup() {
   own.pid = h->pid;
   own.pidVisible = true;
   Blob blob{ownName_, hostId_, pidNamespace_, h->pid, bytes, slotBytes_, numSlots_, directBytes_};
+  blob.cma = static_cast<int>(cma_);
   blob.cmaMinBytes = cmaMinBytes_;
   processProbe_ = std::random_device()() | 1;
   blob.processProbe = reinterpret_cast<uintptr_t>(&processProbe_);
@@ -233,12 +238,13 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     const Blob& b = peers[peer];
     PYDDP_CHECK_VALUE(
         b.slotBytes == slotBytes_ && b.numSlots == numSlots_ && b.directBytes == directBytes_ &&
-            b.cmaMinBytes == cmaMinBytes_,
+            b.cma == static_cast<int>(cma_) && b.cmaMinBytes == cmaMinBytes_,
         "rank ", rank_, " and rank ", peer,
         " use different shm geometry (slot_bytes ", slotBytes_, " vs ", b.slotBytes,
         ", num_slots ", numSlots_, " vs ", b.numSlots, ", staging bytes ", directBytes_,
-        " vs ", b.directBytes, ", cma_min_bytes ", cmaMinBytes_, " vs ", b.cmaMinBytes,
-        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS, PYDDP_DIRECT_MAX_BYTES and "
+        " vs ", b.directBytes, ", cma ", static_cast<int>(cma_), " vs ", b.cma,
+        ", cma_min_bytes ", cmaMinBytes_, " vs ", b.cmaMinBytes,
+        "): set PYDDP_SLOT_BYTES, PYDDP_NUM_SLOTS, PYDDP_DIRECT_MAX_BYTES, PYDDP_CMA and "
         "PYDDP_CMA_MIN_BYTES alike on all ranks");
   }
   // Store values are not trusted: the segment is mapped with the size this
@@ -314,7 +320,7 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
 }
 
 std::string ShmTransport::whyNotReadPeers(const std::vector<ProcessProbe>& probes) {
-  if (cmaMinBytes_ == 0) return "cma_min_bytes (PYDDP_CMA_MIN_BYTES) is 0";
+  if (cma_ == CmaReads::Never) return "cma (PYDDP_CMA) is never";
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     Segment& s = segments_[peer];
@@ -325,8 +331,10 @@ std::string ShmTransport::whyNotReadPeers(const std::vector<ProcessProbe>& probe
     uint64_t token = 0;
     iovec local{&token, sizeof token};
     iovec remote{reinterpret_cast<void*>(probes[peer].address), sizeof token};
-    if (process_vm_readv(s.pid, &local, 1, &remote, 1, 0) != sizeof token) {
-      return "process_vm_readv of " + who + " failed: " + errnoText() +
+    const ssize_t got = process_vm_readv(s.pid, &local, 1, &remote, 1, 0);
+    if (got != sizeof token) {
+      return "process_vm_readv of " + who + " failed: " +
+          (got < 0 ? errnoText() : "it read " + std::to_string(got) + " bytes of 8") +
           " (the kernel lets a process read another's memory only where it could ptrace it: "
           "the same user, and kernel.yama.ptrace_scope 0 or a container that allows it)";
     }
@@ -707,9 +715,14 @@ void ShmTransport::readProcess(int rank, void* dst, uint64_t address, size_t byt
       done += static_cast<size_t>(got);
       continue;
     }
-    const std::string why = got < 0 ? errnoText() : "no progress";
-    PYDDP_CHECK_COMM(peerStillIn(rank), "rank ", rank, " (pid ", s.pid, ") exited while rank ",
-                     rank_, " read its tensor in ", currentCall());
+    const int err = got < 0 ? errno : 0;
+    // ESRCH: the process has no memory any more (its main thread exited,
+    // though a pidfd may not say so until its last thread has).
+    PYDDP_CHECK_COMM(err != ESRCH && peerStillIn(rank), "rank ", rank, " (pid ", s.pid,
+                     ") exited while rank ", rank_, " read its tensor in ", currentCall());
+    // An owner that gave up may have released its tensor: its reason first.
+    failIfGaveUp(rank, current_.seq);
+    const std::string why = err != 0 ? std::strerror(err) : "no progress";
     PYDDP_CHECK_COMM(false, "rank ", rank_, ": ", currentCall(), ": process_vm_readv of ",
                      bytes - done, " bytes of rank ", rank, "'s tensor (pid ", s.pid,
                      ") failed: ", why);
@@ -725,8 +738,12 @@ void ShmTransport::readProcess(int rank, void* dst, uint64_t address, size_t byt
 
 bool ShmTransport::peerStillIn(int rank) const {
   pollfd p{segments_[rank].pidfd, POLLIN, 0};
+  int ready;
+  do {
+    ready = poll(&p, 1, 0);
+  } while (ready < 0 && errno == EINTR);
   // readable once the process has exited
-  return poll(&p, 1, 0) == 0;
+  return ready <= 0 || (p.revents & POLLIN) == 0;
 }
 
 } // namespace shm

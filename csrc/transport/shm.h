@@ -307,6 +307,7 @@ class ShmTransport final : public Transport,
   const int numSlots_;
   const size_t directBytes_;
   const size_t p2pBufferBytes_;
+  const CmaReads cma_;
   const size_t cmaMinBytes_;
   const std::string hostId_;
   const std::string pidNamespace_;

@@ -27,11 +27,10 @@
 // the kind it prefers, and writes one in kExploreEvery with the other kind.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "common/floor_estimate.h"
 #include "common/types.h"
 #include "kernels/cpu.h"
 
@@ -71,15 +70,13 @@ class SlotStoreChooser {
   // backward (`python -m pyddp.bench ddp`), and at 3.5-6.0 far: 2.5 leaves
   // 1.3x on the near side and 1.4x on the far one.
   static constexpr double kStreamingAdvantage = 2.5;
-  // Each kind's estimate is the floor of its times: a lower sample sets it,
-  // a higher one raises it by at most this factor. A copy's time has a floor
-  // (what it costs) and noise above it (a copy preempted for a time slice,
-  // 1000 times its usual time; the cache taken by DDP's backward on the
-  // same core): with a moving average, noise counted most against the kind
-  // sampled most, the preferred one, and `python -m pyddp.bench ddp` read
-  // 0.24-0.38x torch's overhead under auto against 0.14-0.23x cached. A
-  // real rise (4-6x for cached stores when the cores move apart) is
-  // followed within 4-5 samples.
+  // Each kind's estimate is the floor of its times (common/floor_estimate.h),
+  // which a higher sample raises by at most this factor. With a moving
+  // average, noise (DDP's backward on the same core) counted most against
+  // the kind sampled most, the preferred one, and `python -m pyddp.bench
+  // ddp` read 0.24-0.38x torch's overhead under auto against 0.14-0.23x
+  // cached. A real rise (4-6x for cached stores when the cores move apart)
+  // is followed within 4-5 samples.
   static constexpr double kMaxRise = 1.5;
 
   struct Pick {
@@ -101,8 +98,8 @@ class SlotStoreChooser {
     if (!local) return {prefersStreaming(), false};
     if (++writes_ <= kWarmupWrites) return {false, false};
     // Each kind is measured once before either is preferred.
-    if (nsPerByte_[kCached] == 0) return {false, true};
-    if (nsPerByte_[kStreaming] == 0) return {true, true};
+    if (!cost_[kCached].measured()) return {false, true};
+    if (!cost_[kStreaming].measured()) return {true, true};
     const bool preferred = prefersStreaming();
     if (writes_ % kExploreEvery == 0) return {!preferred, true};
     return {preferred, writes_ % kSampleEvery == 0};
@@ -110,25 +107,19 @@ class SlotStoreChooser {
 
   // A timed write of `bytes` took `nanoseconds`.
   void observe(bool streaming, size_t bytes, double nanoseconds) {
-    if (bytes == 0 || !std::isfinite(nanoseconds) || nanoseconds < 0) return;
-    const double sample = nanoseconds / static_cast<double>(bytes);
-    double& estimate = nsPerByte_[streaming ? kStreaming : kCached];
-    // 0 is "not measured yet": a write measured at 0 ns (a coarse clock)
-    // counts as the smallest positive time.
-    const double positive = sample > 0 ? sample : 1e-9;
-    estimate = estimate == 0 ? positive : std::min(positive, kMaxRise * estimate);
+    cost_[streaming ? kStreaming : kCached].observe(bytes, nanoseconds);
   }
 
   // Whether a write that is not exploring would be streaming.
   bool prefersStreaming() const {
     if (mode_ != SlotStores::Auto) return mode_ == SlotStores::Streaming;
-    return nsPerByte_[kStreaming] != 0 &&
-           nsPerByte_[kStreaming] * kStreamingAdvantage < nsPerByte_[kCached];
+    return cost_[kStreaming].measured() &&
+           cost_[kStreaming].nsPerByte() * kStreamingAdvantage < cost_[kCached].nsPerByte();
   }
 
   // The estimates, ns per byte (0: not measured yet).
-  double cachedNsPerByte() const { return nsPerByte_[kCached]; }
-  double streamingNsPerByte() const { return nsPerByte_[kStreaming]; }
+  double cachedNsPerByte() const { return cost_[kCached].nsPerByte(); }
+  double streamingNsPerByte() const { return cost_[kStreaming].nsPerByte(); }
 
  private:
   static constexpr int kCached = 0;
@@ -136,7 +127,7 @@ class SlotStoreChooser {
 
   const SlotStores mode_;
   uint64_t writes_ = 0;  // chosen writes of local pieces so far
-  double nsPerByte_[2] = {0, 0};
+  FloorEstimate cost_[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
 };
 
 } // namespace pyddp
