@@ -184,6 +184,15 @@ def raises(exc_type: type, pattern: str, fn: Callable, *args: Any, **kwargs: Any
                          f"({pattern})")
 
 
+def process_exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def pyddp_segments() -> List[str]:
     """pyddp's shared-memory segments currently named in /dev/shm."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("pyddp-"))

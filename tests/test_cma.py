@@ -11,7 +11,6 @@ fed modelled times here, without processes, and must follow them.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import time
@@ -22,22 +21,13 @@ import torch.distributed as dist
 
 import pyddp
 from collective_cases import ReduceOp, check_equal, make_input, reference_reduce
-from harness import Died, RankContext, Ranks, pyddp_segments, raises
+from harness import Died, RankContext, Ranks, process_exited, pyddp_segments, raises
 from pyddp._C import _testing
-from test_registered import _as_nobody_rank_1_closed, registered_copy
+from test_registered import _as_nobody_rank_1_closed, _group, registered_copy
 
 MIN_BYTES = 64 * 1024
 COUNT = MIN_BYTES // 4  # float32 elements per rank: exactly cma_min_bytes
 ALWAYS, AUTO, NEVER = pyddp.CmaReads.ALWAYS, pyddp.CmaReads.AUTO, pyddp.CmaReads.NEVER
-
-
-def _group(ctx: RankContext, name: str, **opts) -> pyddp.ProcessGroup:
-    options = pyddp.RingOptions()
-    for key, value in opts.items():
-        setattr(options, key, value)
-    store = dist.FileStore(ctx.store_path(name), ctx.world_size)
-    return pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
-                           timeout=datetime.timedelta(seconds=60), options=options)
 
 
 def _setup(ctx: RankContext) -> None:
@@ -175,18 +165,10 @@ def test_a_rank_whose_peer_cannot_be_read_makes_the_group_read_through_slots():
 # --- a peer killed before its reader read its tensor -----------------------------
 
 
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _reader(ctx: RankContext, root_pid: int) -> tuple:
     pg = _group(ctx, "killed", cma=ALWAYS, cma_min_bytes=1)
     deadline = time.monotonic() + 30
-    while not _dead(root_pid):
+    while not process_exited(root_pid):
         assert time.monotonic() < deadline, "rank 1 did not die"
         time.sleep(0.01)
     before = _testing.process_reads()

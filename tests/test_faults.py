@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import pyddp
 from fault_stores import Recording, Sabotage, forge_shm_blob, shm_blob_field
-from harness import Died, RankContext, Ranks, pyddp_segments, raises
+from harness import Died, RankContext, Ranks, process_exited, pyddp_segments, raises
 from hosts import HostRanks
 from pyddp import _launch
 
@@ -120,20 +120,12 @@ def test_rank_killed_before_publishing_its_blob_is_named_at_once_and_leaves_no_s
     assert not _exists(own)
 
 
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _channel_survivor(ctx: RankContext, port: int, victim_pid: int) -> tuple:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=MINUTE)
     pg = _group(ctx, store, name="channel")
     note = ctx.store_path("victim's channel")
     deadline = time.monotonic() + 30
-    while not os.path.exists(note) or not _dead(victim_pid):
+    while not os.path.exists(note) or not process_exited(victim_pid):
         assert time.monotonic() < deadline, "rank 1 did not make its channel and die"
         time.sleep(0.01)
     with open(note) as f:
@@ -177,7 +169,7 @@ def _receiver_of_a_dead_store_host(ctx: RankContext, port: int, victim_pid: int)
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=MINUTE)
     pg = _group(ctx, store, name="dead store host")
     deadline = time.monotonic() + 30
-    while not os.path.exists(ctx.store_path("sent")) or not _dead(victim_pid):
+    while not os.path.exists(ctx.store_path("sent")) or not process_exited(victim_pid):
         assert time.monotonic() < deadline, "rank 1 did not send and die"
         time.sleep(0.01)
     if ctx.rank == 0:
