@@ -324,7 +324,8 @@ RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine
   std::memcpy(&voter, mem.peerBuffer(kernelVoter(root, c.worldSize)), sizeof voter);
   const bool throughKernel = reads.throughKernel && voter.kernelVote == 1;
   // how each tensor read is reached: mapped, through the kernel, or not at all
-  RegisteredView view{ConstRankPtrs(c.worldSize), c10::SmallVector<bool, kInlineRanks>(c.worldSize)};
+  RegisteredView view{ConstRankPtrs(c.worldSize),
+                      c10::SmallVector<bool, kInlineRanks>(c.worldSize)};
   c10::SmallVector<TensorWhere, kInlineRanks> where(c.worldSize);
   for (int k = 0; k < c.worldSize; ++k) {
     if (root >= 0 && k != root) continue;

@@ -140,8 +140,9 @@ void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& i
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root);
 // buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every
-// rank's registered buf (mapped: a view with no remote tensor): rank b reduces block b of every buf into its own,
-// then every rank copies each block from the rank that reduced it.
+// rank's registered buf (mapped: a view with no remote tensor): rank b
+// reduces block b of every buf into its own, then every rank copies each
+// block from the rank that reduced it.
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
                          const kernels::ReduceSpec& spec, void* buf, size_t count);
 // ringReduceScatter's result, read from every rank's registered input (its
