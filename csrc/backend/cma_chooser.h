@@ -21,6 +21,7 @@
 // (algorithms::TensorWhere), which every rank reads.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -98,8 +99,7 @@ class CmaChooser {
 
   // The estimates of `kind` at the power of two that `bytes` falls in.
   Size& size(CollectiveKind kind, size_t bytes) {
-    int log2 = 0;
-    while (log2 + 1 < kSizes && (bytes >> (log2 + 1)) != 0) ++log2;
+    const int log2 = bytes == 0 ? 0 : static_cast<int>(std::bit_width(bytes)) - 1;
     return sizes_[kind == CollectiveKind::Broadcast ? 1 : 0][log2];
   }
 

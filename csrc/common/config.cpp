@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <utility>
 
 #include "common/check.h"
 
@@ -43,32 +44,28 @@ long long parseInt(const char* name, const std::string& text) {
   return v;
 }
 
-Algo parseAlgo(const std::string& text) {
-  if (text == "auto") return Algo::Auto;
-  if (text == "ring") return Algo::Ring;
-  if (text == "direct") return Algo::Direct;
-  if (text == "two_shot") return Algo::TwoShot;
-  PYDDP_CHECK_VALUE(
-      false, kAlgoVar, "='", text, "' is not one of auto, ring, direct, two_shot");
-  return Algo::Auto;
+// The value `text` names among `choices` (name, value), as variable `var`;
+// ValueError listing the names if none.
+template <typename T, size_t N>
+T parseChoice(const char* var, const std::string& text,
+              const std::pair<const char*, T> (&choices)[N]) {
+  std::string names;
+  for (const auto& [name, value] : choices) {
+    if (text == name) return value;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  PYDDP_CHECK_VALUE(false, var, "='", text, "' is not one of ", names);
+  return choices[0].second;
 }
 
-SlotStores parseSlotStores(const std::string& text) {
-  if (text == "auto") return SlotStores::Auto;
-  if (text == "cached") return SlotStores::Cached;
-  if (text == "streaming") return SlotStores::Streaming;
-  PYDDP_CHECK_VALUE(false, kSlotStoresVar, "='", text,
-                    "' is not one of auto, cached, streaming");
-  return SlotStores::Auto;
-}
-
-CmaReads parseCma(const std::string& text) {
-  if (text == "auto") return CmaReads::Auto;
-  if (text == "always") return CmaReads::Always;
-  if (text == "never") return CmaReads::Never;
-  PYDDP_CHECK_VALUE(false, kCmaVar, "='", text, "' is not one of auto, always, never");
-  return CmaReads::Auto;
-}
+constexpr std::pair<const char*, Algo> kAlgos[] = {
+    {"auto", Algo::Auto}, {"ring", Algo::Ring}, {"direct", Algo::Direct},
+    {"two_shot", Algo::TwoShot}};
+constexpr std::pair<const char*, SlotStores> kSlotStores[] = {
+    {"auto", SlotStores::Auto}, {"cached", SlotStores::Cached},
+    {"streaming", SlotStores::Streaming}};
+constexpr std::pair<const char*, CmaReads> kCmaReads[] = {
+    {"auto", CmaReads::Auto}, {"always", CmaReads::Always}, {"never", CmaReads::Never}};
 
 } // namespace
 
@@ -83,18 +80,18 @@ RingOptions RingOptions::fromEnv() {
       envOr(kDirectMaxVar, std::to_string(kDefaultDirectMaxBytes))));
   o.twoShotMaxBytes = static_cast<size_t>(parseInt(
       kTwoShotMaxVar, envOr(kTwoShotMaxVar, std::to_string(kDefaultTwoShotMaxBytes))));
-  o.algo = parseAlgo(envOr(kAlgoVar, "auto"));
+  o.algo = parseChoice(kAlgoVar, envOr(kAlgoVar, "auto"), kAlgos);
   o.timeoutMs = kDefaultTimeoutMs;
   const long long p2pBuffer = parseInt(
       kP2pBufferVar, envOr(kP2pBufferVar, std::to_string(kDefaultP2pBufferBytes)));
   PYDDP_CHECK_VALUE(p2pBuffer >= 0, kP2pBufferVar, "='", p2pBuffer, "' must not be negative");
   o.p2pBufferBytes = static_cast<size_t>(p2pBuffer);
-  o.slotStores = parseSlotStores(envOr(kSlotStoresVar, "auto"));
+  o.slotStores = parseChoice(kSlotStoresVar, envOr(kSlotStoresVar, "auto"), kSlotStores);
   const long long cmaMin =
       parseInt(kCmaMinVar, envOr(kCmaMinVar, std::to_string(kDefaultCmaMinBytes)));
   PYDDP_CHECK_VALUE(cmaMin >= 0, kCmaMinVar, "='", cmaMin, "' must not be negative");
   o.cmaMinBytes = static_cast<size_t>(cmaMin);
-  o.cma = parseCma(envOr(kCmaVar, "auto"));
+  o.cma = parseChoice(kCmaVar, envOr(kCmaVar, "auto"), kCmaReads);
   o.validate();
   return o;
 }

@@ -350,20 +350,21 @@ void ShmTransport::connected() {
     shm_unlink(ownName_.c_str());
     linked_ = false;
   }
-  // Every rank has tried every probe: the group reads registered tensors
-  // in place only if all could map them.
-  for (int peer = 0; peer < worldSize_ && registeredRefusal_.empty(); ++peer) {
-    if (header(peer).mapsRegistered.load(std::memory_order_acquire) != 1) {
-      registeredRefusal_ =
-          "rank " + std::to_string(peer) + " cannot map every peer's registered memory";
-    }
-  }
+  // Every rank has tried every probe: the group maps registered tensors,
+  // and reads plain ones through the kernel, only if all could.
+  agreeOnProbes(&SegmentHeader::mapsRegistered, "map every peer's registered memory",
+                registeredRefusal_);
+  agreeOnProbes(&SegmentHeader::readsProcesses, "read every peer's memory through the kernel",
+                processRefusal_);
   registered::release(probe_);
   probe_ = nullptr;
-  for (int peer = 0; peer < worldSize_ && processRefusal_.empty(); ++peer) {
-    if (header(peer).readsProcesses.load(std::memory_order_acquire) != 1) {
-      processRefusal_ =
-          "rank " + std::to_string(peer) + " cannot read every peer's memory through the kernel";
+}
+
+void ShmTransport::agreeOnProbes(std::atomic<uint32_t> SegmentHeader::*succeeded,
+                                 const char* what, std::string& refusal) const {
+  for (int peer = 0; peer < worldSize_ && refusal.empty(); ++peer) {
+    if ((header(peer).*succeeded).load(std::memory_order_acquire) != 1) {
+      refusal = "rank " + std::to_string(peer) + " cannot " + what;
     }
   }
 }
@@ -707,32 +708,29 @@ void ShmTransport::readProcess(int rank, void* dst, uint64_t address, size_t byt
   // call: a peer that exited (its pid then names nothing, or, once reaped,
   // another process: hence the pidfd below) or unmapped the range fails it.
   size_t done = 0;
+  int err = 0;
   while (done < bytes) {
     iovec local{static_cast<char*>(dst) + done, bytes - done};
     iovec remote{reinterpret_cast<char*>(address) + done, bytes - done};
     const ssize_t got = process_vm_readv(s.pid, &local, 1, &remote, 1, 0);
-    if (got > 0) {
-      done += static_cast<size_t>(got);
-      continue;
+    if (got <= 0) {
+      err = got < 0 ? errno : 0;
+      break;
     }
-    const int err = got < 0 ? errno : 0;
-    // ESRCH: the process has no memory any more (its main thread exited,
-    // though a pidfd may not say so until its last thread has).
-    PYDDP_CHECK_COMM(err != ESRCH && peerStillIn(rank), "rank ", rank, " (pid ", s.pid,
-                     ") exited while rank ", rank_, " read its tensor in ", currentCall());
-    // An owner that gave up may have released its tensor: its reason first.
-    failIfGaveUp(rank, current_.seq);
-    const std::string why = err != 0 ? std::strerror(err) : "no progress";
-    PYDDP_CHECK_COMM(false, "rank ", rank_, ": ", currentCall(), ": process_vm_readv of ",
-                     bytes - done, " bytes of rank ", rank, "'s tensor (pid ", s.pid,
-                     ") failed: ", why);
+    done += static_cast<size_t>(got);
   }
   // A peer releases its tensor only after the collective's next meeting
   // (which this rank has not reached), or after it gave up or died: the
-  // bytes read are its tensor's unless one of those happened first.
-  PYDDP_CHECK_COMM(peerStillIn(rank), "rank ", rank, " (pid ", s.pid, ") exited while rank ",
-                   rank_, " read its tensor in ", currentCall());
+  // bytes read are its tensor's unless one of those happened first, and a
+  // failed read is named by that first. ESRCH: the process has no memory
+  // any more (its main thread exited, though a pidfd may not say so until
+  // its last thread has).
+  PYDDP_CHECK_COMM(err != ESRCH && peerStillIn(rank), "rank ", rank, " (pid ", s.pid,
+                   ") exited while rank ", rank_, " read its tensor in ", currentCall());
   failIfGaveUp(rank, current_.seq);
+  PYDDP_CHECK_COMM(done == bytes, "rank ", rank_, ": ", currentCall(), ": process_vm_readv of ",
+                   bytes - done, " bytes of rank ", rank, "'s tensor (pid ", s.pid, ") failed: ",
+                   err != 0 ? std::strerror(err) : "no progress");
   processReadsCount.fetch_add(1, std::memory_order_relaxed);
 }
 

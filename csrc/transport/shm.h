@@ -44,8 +44,8 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // The layout and the protocol below: builds that read the same flags
 // differently (3: an arrival may publish a staged round; 4: the round an
 // arrival publishes may hold a registered::Ref; 5: mapsRegistered and the
-// probe named in the blob; 6: readsProcesses, the cross-memory attach probe
-// and cma_min_bytes in the blob, and the round an arrival publishes holds
+// probe named in the blob; 6: readsProcesses, the cross-memory attach probe,
+// cma and cma_min_bytes in the blob, and the round an arrival publishes holds
 // an algorithms::TensorWhere) do not connect: the blob says its layout
 // first, so a peer of another version is named as such before its fields
 // are read.
@@ -286,6 +286,10 @@ class ShmTransport final : public Transport,
   bool peerAlive(int rank) const;
   // Whether rank `rank`'s pinned process (Segment::pidfd) has not exited.
   bool peerStillIn(int rank) const;
+  // Sets `refusal` (if "") naming the first rank whose header says it could
+  // not pass a probe (`succeeded` != 1): it "cannot `what`".
+  void agreeOnProbes(std::atomic<uint32_t> SegmentHeader::*succeeded, const char* what,
+                     std::string& refusal) const;
   // Why this rank cannot read every peer's probe word through the kernel
   // ("" if it can), pinning each peer's process on the way. By rank: the
   // word's address in the peer's process, and what it holds.
