@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import re
 import signal
 import traceback
@@ -67,11 +68,15 @@ def _rank_main(rank: int, world_size: int, tmpdir: str, setup: Optional[Callable
         conn.send(("err", traceback.format_exc()))
         return
     while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        fn, args = msg
+        # Unpickled inside the try: naming ``fn`` imports its module, which can
+        # fail (a setup that dropped privileges may no longer read the tests),
+        # and the test should get that traceback, not a bare exit code.
+        message = conn.recv_bytes()
         try:
+            call = pickle.loads(message)
+            if call is None:
+                break
+            fn, args = call
             conn.send(("ok", fn(ctx, *args)))
         except BaseException:
             conn.send(("err", traceback.format_exc()))

@@ -147,11 +147,18 @@ def _one_rank_closed(ctx: RankContext) -> tuple:
     return ctx.groups["cma"]._cpu_engine.process_refusal, _reads(ctx, COUNT)
 
 
+def _closed_setup(ctx: RankContext) -> None:
+    # Named from this module so that the ranks import it while still root:
+    # as nobody they may not read it (a checkout under a directory of mode
+    # 0700, as mktemp -d makes).
+    _as_nobody_rank_1_closed(ctx)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making ranks of another user needs root")
 def test_a_rank_whose_peer_cannot_be_read_makes_the_group_read_through_slots():
     # Rank 1 is not dumpable: the kernel refuses rank 0's reads of it (as it
     # refuses ptrace), and both ranks learn it while connecting.
-    pool = Ranks(2, setup=_as_nobody_rank_1_closed)
+    pool = Ranks(2, setup=_closed_setup)
     try:
         (said0, reads0), (said1, reads1) = pool.run(_one_rank_closed)
     finally:
