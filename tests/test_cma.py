@@ -29,6 +29,7 @@ from test_registered import _as_nobody_rank_1_closed, _group, registered_copy
 MIN_BYTES = 64 * 1024
 COUNT = MIN_BYTES // 4  # float32 elements per rank: exactly cma_min_bytes
 ALWAYS, AUTO, NEVER = pyddp.CmaReads.ALWAYS, pyddp.CmaReads.AUTO, pyddp.CmaReads.NEVER
+EVERY, RUN = _testing.CmaChooser.EXPLORE_EVERY, _testing.CmaChooser.EXPLORE_RUN
 CAP_SYS_PTRACE = 19  # capability(7)'s bit in /proc/self/status
 
 
@@ -130,16 +131,16 @@ def _auto_picks(ctx: RankContext) -> list:
     """Kernel reads of each of the auto group's first all_gathers of a size
     (its default cma_min_bytes, 256 KiB per rank)."""
     count = ctx.groups["auto"].options.cma_min_bytes // 4
-    return [_reads(ctx, count, group="auto")[0] for _ in range(2)]
+    return [_reads(ctx, count, group="auto")[0] for _ in range(2 * RUN)]
 
 
 @needs_kernel_reads
 def test_every_rank_takes_the_path_rank_0_picks(ranks):
-    # Rank 0's chooser measures the kernel path first, then the slots: the
-    # other ranks, which choose nothing, follow it.
+    # Rank 0's chooser measures the kernel path first, then the slots, a run
+    # of calls each: the other ranks, which choose nothing, follow it.
     picks = ranks.run(_auto_picks)
     n = len(picks)
-    assert picks == [[n - 1, 0]] * n
+    assert picks == [[n - 1] * RUN + [0] * RUN] * n
 
 
 def _refusals(ctx: RankContext) -> tuple:
@@ -250,10 +251,11 @@ SIZE = 1 << 20
 
 
 def _call(chooser, kernel_cost, slots_cost, size=SIZE, broadcast=False):
-    """One collective as rank 0 runs it; returns whether it read through the kernel."""
+    """One collective as rank 0 runs it, timed if the chooser asks; returns
+    whether it read through the kernel."""
     kernel, timed = chooser.next(broadcast, size)
-    assert timed
-    chooser.observe(broadcast, size, kernel, (kernel_cost if kernel else slots_cost) * size)
+    if timed:
+        chooser.observe(broadcast, size, kernel, (kernel_cost if kernel else slots_cost) * size)
     return kernel
 
 
@@ -269,21 +271,55 @@ def test_forced_modes_are_kept_and_not_timed():
 
 
 def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other():
-    every = _testing.CmaChooser.EXPLORE_EVERY
     chooser = _testing.CmaChooser(AUTO)
-    # the kernel first, then the slots, then the cheaper: the kernel (far cores)
-    picks = _calls(chooser, KERNEL, SLOTS_FAR, 3 * every)
-    assert picks[:2] == [True, False]
-    assert [i + 1 for i, kernel in enumerate(picks) if not kernel] == [2, every, 2 * every,
-                                                                       3 * every]
+    # a run through the kernel, a run through the slots, then the cheaper:
+    # the kernel (far cores)
+    picks = _calls(chooser, KERNEL, SLOTS_FAR, 3 * EVERY + RUN)
+    assert picks[:2 * RUN] == [True] * RUN + [False] * RUN
+    # a run of calls explores the slots from each EVERY-th call on
+    explored = [k * EVERY + i for k in (1, 2, 3) for i in range(RUN)]
+    assert [i + 1 for i, kernel in enumerate(picks) if not kernel] == \
+        list(range(RUN + 1, 2 * RUN + 1)) + explored
     # The slots get cheaper (the cores moved near): the next exploration
     # measures them below the kernel, and they are taken from then on.
     chooser2 = _testing.CmaChooser(AUTO)
-    _calls(chooser2, KERNEL, SLOTS_FAR, every - 2)
+    _calls(chooser2, KERNEL, SLOTS_FAR, EVERY - 1)
     assert chooser2.prefers_kernel(False, SIZE)
-    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)
+    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)  # the first, cold, is not timed
     assert not chooser2.prefers_kernel(False, SIZE)
-    assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, every) == [False] * (every - 1) + [True]
+    assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, EVERY - 1) == [False] * (EVERY - 2) + [True]
+
+
+def test_the_first_call_after_a_switch_is_not_timed():
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, SLOTS_FAR, EVERY - 1)
+    # The slots, explored, are 1.1x dearer than the kernel; the kernel's
+    # first call back costs 1.4x its own (cold caches): timed, it would
+    # look dearer than the slots.
+    calls = []
+    for _ in range(RUN + 2):
+        kernel, timed = chooser.next(False, SIZE)
+        cold = 1.4 if calls and kernel != calls[-1][0] else 1.0
+        if timed:
+            chooser.observe(False, SIZE, kernel, (KERNEL if kernel else KERNEL * 1.1) * cold * SIZE)
+        calls.append((kernel, timed))
+    assert calls == [(False, False)] + [(False, True)] * (RUN - 1) + [(True, False), (True, True)]
+    assert chooser.prefers_kernel(False, SIZE)
+
+
+def test_an_exploring_run_is_judged_by_its_warm_calls():
+    # The first two calls of the slots after the kernel can both be cold (a
+    # broadcast's); a lone explored call would have kept the kernel.
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, SLOTS_FAR, EVERY - 1)
+    picks = []
+    for call in range(RUN + 2):
+        kernel, timed = chooser.next(False, SIZE)
+        slots = 2 * SLOTS_NEAR if call < 2 else SLOTS_NEAR * 0.8
+        if timed:
+            chooser.observe(False, SIZE, kernel, (KERNEL if kernel else slots) * SIZE)
+        picks.append(kernel)
+    assert picks == [False] * (RUN + 2) and not chooser.prefers_kernel(False, SIZE)
 
 
 def test_a_preferred_path_that_gets_dearer_is_left_within_a_few_calls():
@@ -306,11 +342,25 @@ def test_one_slow_call_does_not_move_the_choice():
 def test_a_near_tie_keeps_the_slots():
     advantage = _testing.CmaChooser.KERNEL_ADVANTAGE
     chooser = _testing.CmaChooser(AUTO)
-    picks = _calls(chooser, KERNEL, KERNEL * advantage * 0.99, 40)
-    assert picks[2:] == [False] * 29 + [True] + [False] * 8  # call 32 explores
+    picks = _calls(chooser, KERNEL, KERNEL * advantage * 0.99, EVERY + RUN + 3)
+    assert picks[2 * RUN:] == [False] * (EVERY - 1 - 2 * RUN) + [True] * RUN + [False] * 4
     chooser2 = _testing.CmaChooser(AUTO)
-    _calls(chooser2, KERNEL, KERNEL * advantage * 1.05, 3)
+    _calls(chooser2, KERNEL, KERNEL * advantage * 1.05, 2 * RUN)
     assert chooser2.prefers_kernel(False, SIZE)
+
+
+def test_the_kernel_once_taken_is_kept_while_it_is_cheaper_at_all():
+    # With one threshold, two paths near it swapped places with their noise.
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, SLOTS_FAR, 10)
+    assert chooser.prefers_kernel(False, SIZE)
+    # the slots get within 1.1x of the kernel: explored twice, never taken
+    assert _calls(chooser, KERNEL, KERNEL * 1.1, 2 * EVERY).count(False) == 2 * RUN
+    assert chooser.prefers_kernel(False, SIZE)
+    # the slots get cheaper: taken from their next exploration on (call
+    # 3 * EVERY; these are calls 2 * EVERY + 11 on)
+    picks = _calls(chooser, KERNEL, KERNEL * 0.95, EVERY)
+    assert picks.index(False) == EVERY - 11 and picks[EVERY - 11:] == [False] * 11
 
 
 def test_each_kind_and_power_of_two_is_chosen_for_alone():
@@ -321,8 +371,8 @@ def test_each_kind_and_power_of_two_is_chosen_for_alone():
     assert chooser.prefers_kernel(False, SIZE) and chooser.prefers_kernel(False, 2 * SIZE - 1)
     assert not chooser.prefers_kernel(True, SIZE)
     assert not chooser.prefers_kernel(False, 4 * SIZE)
-    # not measured yet: the kernel is tried first
-    assert chooser.next(False, 16 * SIZE) == (True, True)
+    # not measured yet: the kernel is tried first, its first call (cold) not timed
+    assert chooser.next(False, 16 * SIZE) == (True, False)
 
 
 def test_samples_that_are_not_times_are_ignored():

@@ -11,9 +11,10 @@
 // lost most of the next (benchmarks/README.md, "Single copy through the
 // kernel"). So the choice follows an estimate of nanoseconds per byte of
 // each path, per collective kind and power-of-two size, the floor of its
-// recent times (common/floor_estimate.h); it takes the kernel where that is
-// clearly cheaper, the slots otherwise and, one call in kExploreEvery, the
-// other path, to notice a change.
+// recent times (common/floor_estimate.h); it takes the kernel once that is
+// clearly cheaper, keeps it while it is cheaper at all, takes the slots
+// otherwise and, for a short run of calls now and then, the other path, to
+// notice a change.
 //
 // The ranks must take the same path, so one rank chooses and times (rank 0,
 // or a broadcast's last rank of the chain: algorithms::kernelVoter); its
@@ -32,21 +33,31 @@ namespace pyddp {
 
 class CmaChooser {
  public:
-  // One call in 32 takes the path not preferred: the worse path cost up to
-  // 2x the better one in the measurements above, so exploring costs at most
-  // about 3%, and a change that makes that path the cheaper one is noticed
-  // within 32 calls of a size.
-  static constexpr uint64_t kExploreEvery = 32;
+  // Four calls in a row of every 128 take the path not preferred. The first
+  // call after a switch pays for the other path's cold state (caches, the
+  // slots' pipeline) and is slow: all_gather of 1 MiB per rank on far cores
+  // took 1.4-1.5x a call in a run of the same path; broadcast of 1 and 4 MiB
+  // through the slots took 2.1-2.5x on each of its first two calls, 1.0-1.5x
+  // on the fourth. An estimate from a lone call kept a path that took 1.2x a
+  // run of the other (benchmarks/side_by_side.py cma); so the first call
+  // after a switch is not timed, and the floor of the others is set by the
+  // warm ones. The worse path cost up to 2x the better one in those
+  // measurements, so exploring costs about 3-5%, and a change that makes
+  // that path the cheaper one is noticed within 128 calls of a size.
+  static constexpr uint64_t kExploreEvery = 128;
+  static constexpr uint64_t kExploreRun = 4;
   // A higher sample raises an estimate by at most this factor: as the slot
   // stores' (transport/slot_stores.h), whose noise is the same kind.
   static constexpr double kMaxRise = 1.5;
-  // The kernel is taken while its estimate is more than this much below
-  // the slots'. The estimate of the path not taken is a floor from its last
-  // samples, the other one's follows its noise up, so between two paths
-  // within a few percent the choice flipped back and forth: all_gather of
-  // 256 KiB per rank on 2 near cores took the kernel in 19-38 of each 64
-  // calls, for 1.08-1.19x the slots' time. Where the kernel won, it did by
-  // 1.2-1.7x (far cores, 1 and 4 MiB).
+  // The kernel is taken once its estimate is more than this much below the
+  // slots', and kept while it is below at all. Each estimate follows its
+  // path's noise, so with one threshold the choice flipped back and forth
+  // between two paths close to it: at 1.0, all_gather of 256 KiB per rank
+  // on 2 near cores took the kernel in 19-38 of each 64 calls, for
+  // 1.08-1.19x the slots' time; at 1.2 and no other, all_gather of 4 MiB on
+  // far cores took the slots in 13-62 of each 100 calls, though the kernel
+  // copy took 1.3x less time (medians of the calls on each path). Where the
+  // kernel won, it did by 1.2-1.7x (far cores, 1 and 4 MiB).
   static constexpr double kKernelAdvantage = 1.2;
 
   explicit CmaChooser(CmaReads mode) : mode_(mode) {}
@@ -61,24 +72,26 @@ class CmaChooser {
   Pick next(CollectiveKind kind, size_t bytes) {
     if (mode_ != CmaReads::Auto) return {mode_ == CmaReads::Always, false};
     Size& s = size(kind, bytes);
-    ++s.calls;
-    // Each path is measured once before either is preferred.
-    if (!s.cost[kKernel].measured()) return {true, true};
-    if (!s.cost[kSlots].measured()) return {false, true};
-    const bool preferred = prefersKernel(s);
-    return {s.calls % kExploreEvery == 0 ? !preferred : preferred, true};
+    const bool kernel = path(s);
+    // The first call of a size, or after a switch, pays for the path's cold
+    // state: a sample of neither path's cost.
+    const bool timed = s.calls > 1 && kernel == s.lastKernel;
+    s.lastKernel = kernel;
+    return {kernel, timed};
   }
 
   // The collective next() picked took `nanoseconds` from the end of its
   // arrival meeting.
   void observe(CollectiveKind kind, size_t bytes, bool kernel, double nanoseconds) {
-    size(kind, bytes).cost[kernel ? kKernel : kSlots].observe(bytes, nanoseconds);
+    Size& s = size(kind, bytes);
+    s.cost[kernel ? kKernel : kSlots].observe(bytes, nanoseconds);
+    s.kernel = prefersKernel(s);
   }
 
   // Whether a call that is not exploring would read through the kernel.
   bool prefersKernel(CollectiveKind kind, size_t bytes) {
     if (mode_ != CmaReads::Auto) return mode_ == CmaReads::Always;
-    return prefersKernel(size(kind, bytes));
+    return size(kind, bytes).kernel;
   }
 
  private:
@@ -89,12 +102,32 @@ class CmaChooser {
   struct Size {
     FloorEstimate cost[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
     uint64_t calls = 0;
+    bool kernel = false;  // the path preferred: the slots until both are measured
+    uint64_t exploreLeft = 0;  // calls left in the run that explores
+    bool exploreKernel = false;  // the path that run takes
+    bool lastKernel = false;  // the path of the call before
   };
 
+  // Counts the call and picks its path.
+  static bool path(Size& s) {
+    ++s.calls;
+    // Each path is measured over a run before either is preferred.
+    if (s.calls <= kExploreRun) return true;
+    if (s.calls <= 2 * kExploreRun) return false;
+    if (s.calls % kExploreEvery == 0) {
+      s.exploreLeft = kExploreRun;
+      s.exploreKernel = !s.kernel;
+    }
+    if (s.exploreLeft == 0) return s.kernel;
+    --s.exploreLeft;
+    return s.exploreKernel;
+  }
+
+  // The path preferred after the latest sample, from the one preferred before.
   static bool prefersKernel(const Size& s) {
-    return s.cost[kKernel].measured() &&
-        (!s.cost[kSlots].measured() ||
-         s.cost[kKernel].nsPerByte() * kKernelAdvantage < s.cost[kSlots].nsPerByte());
+    if (!s.cost[kKernel].measured() || !s.cost[kSlots].measured()) return false;
+    const double kernel = s.cost[kKernel].nsPerByte(), slots = s.cost[kSlots].nsPerByte();
+    return kernel * (s.kernel ? 1.0 : kKernelAdvantage) < slots;
   }
 
   // The estimates of `kind` at the power of two that `bytes` falls in.

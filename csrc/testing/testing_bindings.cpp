@@ -175,6 +175,7 @@ void bindTesting(py::module_& m) {
                  broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes);
            })
       .def_readonly_static("EXPLORE_EVERY", &CmaChooser::kExploreEvery)
+      .def_readonly_static("EXPLORE_RUN", &CmaChooser::kExploreRun)
       .def_readonly_static("KERNEL_ADVANTAGE", &CmaChooser::kKernelAdvantage);
   t.attr("has_streaming_stores") = kernels::kHasStreamingStores;
   t.def("streaming_copy", [](at::Tensor dst, const at::Tensor& src, size_t dstOffset,
