@@ -290,19 +290,28 @@ def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other(
     assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, EVERY - 1) == [False] * (EVERY - 2) + [True]
 
 
+def _priced(chooser, n, cost):
+    """`n` collectives of SIZE as rank 0 runs them, the i-th through a path
+    that costs cost(i, kernel, switched) ns per byte (switched: another path
+    than the call before's), timed if the chooser asks; each (path, timed)."""
+    calls = []
+    for i in range(n):
+        kernel, timed = chooser.next(False, SIZE)
+        if timed:
+            switched = bool(calls) and kernel != calls[-1][0]
+            chooser.observe(False, SIZE, kernel, cost(i, kernel, switched) * SIZE)
+        calls.append((kernel, timed))
+    return calls
+
+
 def test_the_first_call_after_a_switch_is_not_timed():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_FAR, EVERY - 1)
     # The slots, explored, are 1.1x dearer than the kernel; the kernel's
     # first call back costs 1.4x its own (cold caches): timed, it would
     # look dearer than the slots.
-    calls = []
-    for _ in range(RUN + 2):
-        kernel, timed = chooser.next(False, SIZE)
-        cold = 1.4 if calls and kernel != calls[-1][0] else 1.0
-        if timed:
-            chooser.observe(False, SIZE, kernel, (KERNEL if kernel else KERNEL * 1.1) * cold * SIZE)
-        calls.append((kernel, timed))
+    calls = _priced(chooser, RUN + 2, lambda i, kernel, switched:
+                    (KERNEL if kernel else KERNEL * 1.1) * (1.4 if switched else 1.0))
     assert calls == [(False, False)] + [(False, True)] * (RUN - 1) + [(True, False), (True, True)]
     assert chooser.prefers_kernel(False, SIZE)
 
@@ -312,14 +321,10 @@ def test_an_exploring_run_is_judged_by_its_warm_calls():
     # broadcast's); a lone explored call would have kept the kernel.
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_FAR, EVERY - 1)
-    picks = []
-    for call in range(RUN + 2):
-        kernel, timed = chooser.next(False, SIZE)
-        slots = 2 * SLOTS_NEAR if call < 2 else SLOTS_NEAR * 0.8
-        if timed:
-            chooser.observe(False, SIZE, kernel, (KERNEL if kernel else slots) * SIZE)
-        picks.append(kernel)
-    assert picks == [False] * (RUN + 2) and not chooser.prefers_kernel(False, SIZE)
+    calls = _priced(chooser, RUN + 2, lambda i, kernel, switched:
+                    KERNEL if kernel else 2 * SLOTS_NEAR if i < 2 else SLOTS_NEAR * 0.8)
+    assert [kernel for kernel, _ in calls] == [False] * (RUN + 2)
+    assert not chooser.prefers_kernel(False, SIZE)
 
 
 def test_a_preferred_path_that_gets_dearer_is_left_within_a_few_calls():
