@@ -12,10 +12,15 @@ group's first call is checked against the expected result. Comparisons:
   (last/best 1: auto picked right);
 - ``cma``: all_gather and broadcast through the ring's slots (``cma``
   NEVER), through a single copy by the kernel (ALWAYS: cross-memory attach)
-  and as rank 0 picks from its times (AUTO; last/best 1: it picked right).
+  and as rank 0 picks from its times (AUTO; last/best 1: it picked right);
+- ``switches``: what the first calls after a switch between those two paths
+  cost (rank 1's time of each; the chooser of AUTO does not time the first).
+  A round runs SWITCH_BEFORE calls on one path, then SWITCH_AFTER timed
+  calls on the other, SWITCH_REPEATS times, and prints the median of each of
+  those calls beside the median call of a run of that path alone.
 
-    python benchmarks/side_by_side.py [slot_stores|cma] [all_gather|broadcast|all_reduce] \
-        [bytes per rank] [rounds]
+    python benchmarks/side_by_side.py [slot_stores|cma|switches] \
+        [all_gather|broadcast|all_reduce] [bytes per rank] [rounds]
 
 Run benchmarks/core_distance.cpp before and after to know which case a run saw.
 """
@@ -25,9 +30,11 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import queue
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +47,10 @@ COMPARISONS = {
     "cma": (("slots", {"cma": pyddp.CmaReads.NEVER}),
             ("kernel", {"cma": pyddp.CmaReads.ALWAYS, "cma_min_bytes": 0}),
             ("auto", {"cma": pyddp.CmaReads.AUTO})),
+    "switches": (("slots", {"cma": pyddp.CmaReads.NEVER}),
+                 ("kernel", {"cma": pyddp.CmaReads.ALWAYS, "cma_min_bytes": 0})),
 }
+SWITCH_BEFORE, SWITCH_AFTER, SWITCH_REPEATS = 28, 4, 30
 ROUND_SECONDS = 0.02
 """How long one group's loop of a round copies, at the 2 GB/s it reaches at the least."""
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -79,6 +89,14 @@ def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rou
                     "broadcast": (tensor, mine - rank),
                     "all_reduce": (tensor, 2 * (mine - rank) + 1)}[op]
         assert torch.equal(*expected), f"rank {rank}: wrong {op} result"
+    if comparison == "switches":
+        for _ in range(rounds):
+            row = _switch_round(groups, call)
+            if rank == 1:
+                results.put(row)
+        for pg in groups.values():
+            pyddp.destroy_process_group(pg)
+        return
     iters = max(5, int(ROUND_SECONDS / (nbytes / 2e9)))
     for _ in range(rounds):
         row = []
@@ -93,6 +111,29 @@ def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rou
             results.put(row)
     for pg in groups.values():
         pyddp.destroy_process_group(pg)
+
+
+def _timed(call: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _switch_round(groups: dict, call: Callable[[pyddp.ProcessGroup], None]) -> list:
+    """Per path: the median time of each of the first SWITCH_AFTER calls
+    after SWITCH_BEFORE on the other path, then that of a run of its own."""
+    row = []
+    for name, pg in groups.items():
+        other = next(g for n, g in groups.items() if n != name)
+        after: list[list[float]] = [[] for _ in range(SWITCH_AFTER)]
+        for _ in range(SWITCH_REPEATS):
+            for _ in range(SWITCH_BEFORE):
+                call(other)
+            for times in after:
+                times.append(_timed(lambda: call(pg)))
+        run = [_timed(lambda: call(pg)) for _ in range(SWITCH_BEFORE * SWITCH_REPEATS // 4)]
+        row.append([statistics.median(t) for t in after] + [statistics.median(run)])
+    return row
 
 
 def main() -> None:
@@ -132,6 +173,13 @@ def main() -> None:
         raise SystemExit(f"a rank failed: {len(rows)} of {rounds} rounds, exit codes "
                          f"{[p.exitcode for p in procs]}")
     names = [name for name, _ in COMPARISONS[comparison]]
+    if comparison == "switches":
+        print(f"# {op}, {nbytes} bytes per rank, 2 ranks: rank 1's median us of the first "
+              f"{SWITCH_AFTER} calls after a switch, and of a run of the same path")
+        for row in rows:
+            print("  ".join(f"{name}: " + " ".join(f"{t * 1e6:.1f}" for t in times[:-1])
+                            + f" | {times[-1] * 1e6:.1f}" for name, times in zip(names, row)))
+        return
     print(f"# {op}, {nbytes} bytes per rank, 2 ranks: us per call")
     print("".join(f"{name:>10} " for name in names) + f"{names[-1] + '/best':>12}")
     for row in rows:

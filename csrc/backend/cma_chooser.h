@@ -38,12 +38,13 @@ class CmaChooser {
   // slots' pipeline) and is slow: all_gather of 1 MiB per rank on far cores
   // took 1.4-1.5x a call in a run of the same path; broadcast of 1 and 4 MiB
   // through the slots took 2.1-2.5x on each of its first two calls, 1.0-1.5x
-  // on the fourth. An estimate from a lone call kept a path that took 1.2x a
-  // run of the other (benchmarks/side_by_side.py cma); so the first call
-  // after a switch is not timed, and the floor of the others is set by the
-  // warm ones. The worse path cost up to 2x the better one in those
-  // measurements, so exploring costs about 3-5%, and a change that makes
-  // that path the cheaper one is noticed within 128 calls of a size.
+  // on the fourth (benchmarks/side_by_side.py switches). An estimate from a
+  // lone call kept a path that took 1.2x a run of the other (side_by_side.py
+  // cma); so the first call after a switch is not timed, and the floor of
+  // the others is set by the warm ones. The worse path cost up to 2x the
+  // better one in those measurements, so exploring costs about 3-5%, and a
+  // change that makes that path the cheaper one is noticed within 128 calls
+  // of a size.
   static constexpr uint64_t kExploreEvery = 128;
   static constexpr uint64_t kExploreRun = 4;
   // A higher sample raises an estimate by at most this factor: as the slot
