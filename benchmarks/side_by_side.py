@@ -89,28 +89,29 @@ def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rou
                     "broadcast": (tensor, mine - rank),
                     "all_reduce": (tensor, 2 * (mine - rank) + 1)}[op]
         assert torch.equal(*expected), f"rank {rank}: wrong {op} result"
-    if comparison == "switches":
-        for _ in range(rounds):
-            row = _switch_round(groups, call)
-            if rank == 1:
-                results.put(row)
-        for pg in groups.values():
-            pyddp.destroy_process_group(pg)
-        return
     iters = max(5, int(ROUND_SECONDS / (nbytes / 2e9)))
+    # Rank 1's times in a switch: a broadcast's root returns before the slots are read.
+    reporter = 1 if comparison == "switches" else 0
     for _ in range(rounds):
-        row = []
-        for pg in groups.values():
-            call(pg)
-            pg.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                call(pg)
-            row.append((time.perf_counter() - start) / iters)
-        if rank == 0:
+        row = (_switch_round(groups, call) if comparison == "switches"
+               else _loop_round(groups, call, iters))
+        if rank == reporter:
             results.put(row)
     for pg in groups.values():
         pyddp.destroy_process_group(pg)
+
+
+def _loop_round(groups: dict, call: Callable[[pyddp.ProcessGroup], None], iters: int) -> list:
+    """Per group: seconds per call of a loop of `iters` calls."""
+    row = []
+    for pg in groups.values():
+        call(pg)
+        pg.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call(pg)
+        row.append((time.perf_counter() - start) / iters)
+    return row
 
 
 def _timed(call: Callable[[], None]) -> float:

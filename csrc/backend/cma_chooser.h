@@ -47,6 +47,8 @@ class CmaChooser {
   // of a size.
   static constexpr uint64_t kExploreEvery = 128;
   static constexpr uint64_t kExploreRun = 4;
+  // The first runs, one per path, end before the first exploring one.
+  static_assert(kExploreEvery > 2 * kExploreRun);
   // A higher sample raises an estimate by at most this factor: as the slot
   // stores' (transport/slot_stores.h), whose noise is the same kind.
   static constexpr double kMaxRise = 1.5;
@@ -104,8 +106,7 @@ class CmaChooser {
     FloorEstimate cost[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
     uint64_t calls = 0;
     bool kernel = false;  // the path preferred: the slots until both are measured
-    uint64_t exploreLeft = 0;  // calls left in the run that explores
-    bool exploreKernel = false;  // the path that run takes
+    bool exploreKernel = false;  // the path the latest exploring run takes
     bool lastKernel = false;  // the path of the call before
   };
 
@@ -115,13 +116,11 @@ class CmaChooser {
     // Each path is measured over a run before either is preferred.
     if (s.calls <= kExploreRun) return true;
     if (s.calls <= 2 * kExploreRun) return false;
-    if (s.calls % kExploreEvery == 0) {
-      s.exploreLeft = kExploreRun;
-      s.exploreKernel = !s.kernel;
-    }
-    if (s.exploreLeft == 0) return s.kernel;
-    --s.exploreLeft;
-    return s.exploreKernel;
+    // A run explores from each kExploreEvery-th call on, on the path not
+    // preferred at its start, even if the run makes it the preferred one.
+    const uint64_t intoCycle = s.calls % kExploreEvery;
+    if (intoCycle == 0) s.exploreKernel = !s.kernel;
+    return intoCycle < kExploreRun ? s.exploreKernel : s.kernel;
   }
 
   // The path preferred after the latest sample, from the one preferred before.
