@@ -1,10 +1,12 @@
 """Cross-memory attach: all_gather and broadcast read a peer's plain tensor
-through the kernel (process_vm_readv), one copy instead of two.
+through the kernel (process_vm_readv), one copy instead of two; a
+broadcast's root writes part of each receiver's meanwhile (process_vm_writev).
 
 Results are checked against single-process references (collective_cases)
 here, and on every dtype, size and world size by the ``cma`` group of
 test_collectives. Which path a collective took is seen through the number of
-such reads this process has made (``_testing.process_reads``). Rank 0's
+such reads and writes this process has made (``_testing.process_reads``,
+``process_writes``). Rank 0's
 choice between the kernel and the ring's slots (backend/cma_chooser.h) is
 fed modelled times here, without processes, and must follow them.
 """
@@ -72,7 +74,8 @@ def ranks(request):
 
 def _reads(ctx: RankContext, count: int, registered: bool = False, group: str = "cma") -> tuple:
     """Kernel reads made by an all_gather, a broadcast from rank 1 and an
-    all_reduce of `count` float32 per rank, each checked."""
+    all_reduce of `count` float32 per rank, each checked, and kernel writes
+    made by the broadcast."""
     pg, n = ctx.groups[group], ctx.world_size
     own = registered_copy if registered else torch.Tensor.clone
     made = []
@@ -82,30 +85,33 @@ def _reads(ctx: RankContext, count: int, registered: bool = False, group: str = 
     pg.all_gather_single(out, own(inputs[ctx.rank]))
     check_equal(out, torch.cat(inputs), f"all_gather count={count}")
     made.append(_testing.process_reads() - before)
-    before = _testing.process_reads()
+    before, written = _testing.process_reads(), _testing.process_writes()
     t = own(make_input(ctx.rank, count, torch.float32, salt=1))
     pg.broadcast(t, 1)
     check_equal(t, make_input(1, count, torch.float32, salt=1), f"broadcast count={count}")
     made.append(_testing.process_reads() - before)
+    written = _testing.process_writes() - written
     before = _testing.process_reads()
     t = own(inputs[ctx.rank])
     pg.all_reduce(t)
     check_equal(t, reference_reduce(inputs, ReduceOp.SUM), f"all_reduce count={count}")
     made.append(_testing.process_reads() - before)
-    return tuple(made)
+    return (*made, written)
 
 
 @needs_kernel_reads
 def test_all_gather_and_broadcast_from_cma_min_bytes_read_each_peer_through_the_kernel(ranks):
     results = ranks.run(_reads, COUNT)
     n = len(results)
-    # all_gather: one read per peer; broadcast: one per rank but the root;
-    # all_reduce: none (a reduction reads mapped tensors only).
-    assert results == [(n - 1, 0 if r == 1 else 1, 0) for r in range(n)]
+    # all_gather: one read per peer; broadcast: one per rank but the root,
+    # which writes into each of them; all_reduce: none (a reduction reads
+    # mapped tensors only).
+    assert _testing.root_written_bytes(COUNT * 4, n) > 0
+    assert results == [(n - 1, 0, 0, n - 1) if r == 1 else (n - 1, 1, 0, 0) for r in range(n)]
 
 
 def test_smaller_messages_take_the_staged_path(ranks):
-    assert set(ranks.run(_reads, COUNT - 1)) == {(0, 0, 0)}
+    assert set(ranks.run(_reads, COUNT - 1)) == {(0, 0, 0, 0)}
 
 
 def _registered_reads(ctx: RankContext) -> tuple:
@@ -119,12 +125,12 @@ def test_registered_tensors_are_mapped_not_read_through_the_kernel(ranks):
     n = len(results)
     # all_gather maps each peer's input, broadcast the root's (on the other
     # ranks), all_reduce (below its registered window) nothing
-    assert results == [((0, 0, 0), n - 1 + (0 if r == 1 else 1)) for r in range(n)]
+    assert results == [((0, 0, 0, 0), n - 1 + (0 if r == 1 else 1)) for r in range(n)]
 
 
 @pytest.mark.parametrize("group", ["never", "ring"])
 def test_groups_that_do_not_read_through_the_kernel_run_as_before(ranks, group):
-    assert set(ranks.run(_reads, COUNT, False, group)) == {(0, 0, 0)}
+    assert set(ranks.run(_reads, COUNT, False, group)) == {(0, 0, 0, 0)}
 
 
 def _auto_picks(ctx: RankContext) -> list:
@@ -196,7 +202,7 @@ def test_a_rank_whose_peer_cannot_be_read_makes_the_group_read_through_slots():
         (said0, reads0), (said1, reads1) = pool.run(_one_rank_closed)
     finally:
         pool.close()
-    assert reads0 == reads1 == (0, 0, 0)
+    assert reads0 == reads1 == (0, 0, 0, 0)
     assert said0.startswith("process_vm_readv of rank 1 (pid ") and \
         "Operation not permitted" in said0, said0
     assert said1 == "rank 0 cannot read every peer's memory through the kernel", said1
@@ -239,6 +245,63 @@ def test_a_root_killed_before_its_tensor_is_read_is_named_and_nothing_is_left():
     assert f"rank 1 (pid {pid}) exited while rank 0 read its tensor in broadcast #" in said, said
     assert reads == 0
     assert pyddp_segments() == []
+
+
+# --- a receiver that gives up while the root may write into it ------------------
+
+TIMEOUT_S = 1.0  # the receiver's, so that it gives up inside the root's pause
+PAUSE_MS = 3000
+
+
+def _broadcast_given_up(ctx: RankContext, pauses: tuple) -> tuple:
+    """A broadcast from rank 0 whose write into rank 1 pauses `pauses` (ms
+    before the root looks whether rank 1 still takes it, and after); rank 1
+    gives up meanwhile. Rank 0 returns its error and the writes it made;
+    rank 1 its error, the tail of its tensor when its call returned, and
+    whether its tensor, refilled then, still held that fill after the root
+    woke."""
+    pg = _group(ctx, "given_up", TIMEOUT_S, cma=ALWAYS, cma_min_bytes=1)
+    if ctx.rank == 0:
+        _testing.pause_process_writes(*pauses)
+        written = _testing.process_writes()
+        try:
+            said = raises(dist.DistBackendError, "rank 1 gave up", pg.broadcast,
+                          torch.ones(COUNT), 0)
+        finally:
+            _testing.pause_process_writes(0, 0)
+        return said, _testing.process_writes() - written
+    t = torch.zeros(COUNT)
+    said = raises(dist.DistBackendError, "timed out", pg.broadcast, t, 0)
+    tail = _testing.root_written_bytes(COUNT * 4, 2) // 4
+    at_return = t[-tail:].clone()
+    t.fill_(7.0)  # the caller owns its tensor again
+    time.sleep(sum(pauses) / 1000 + 1.0)  # past any write the root could still make
+    return said, at_return, bool((t == 7.0).all())
+
+
+def _given_up(pauses: tuple) -> tuple:
+    pool = Ranks(2)
+    try:
+        return tuple(pool.run(_broadcast_given_up, pauses, timeout=60))
+    finally:
+        pool.close()
+
+
+@needs_kernel_reads
+def test_a_root_whose_receiver_gave_up_before_it_looked_does_not_write():
+    (said0, writes), (said1, at_return, kept) = _given_up((PAUSE_MS, 0))
+    assert writes == 0
+    assert bool((at_return == 0).all()) and kept
+    assert "timed out" in said0 and "rank 1 gave up" in said0, said0
+
+
+@needs_kernel_reads
+def test_a_receiver_that_gives_up_during_the_roots_write_returns_after_it():
+    (said0, writes), (said1, at_return, kept) = _given_up((0, PAUSE_MS))
+    # the write went in before rank 1's call returned, and nothing after
+    assert writes == 1
+    assert bool((at_return == 1).all()) and kept
+    assert "timed out" in said0 and "rank 1 gave up" in said0, said0
 
 
 # --- rank 0's choice, fed modelled times -----------------------------------------

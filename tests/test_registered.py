@@ -38,13 +38,13 @@ def maps_made() -> int:
     return _testing.registered_maps_made()
 
 
-def _group(ctx: RankContext, name: str, **opts) -> pyddp.ProcessGroup:
+def _group(ctx: RankContext, name: str, timeout_s: float = 60, **opts) -> pyddp.ProcessGroup:
     options = pyddp.RingOptions()
     for key, value in opts.items():
         setattr(options, key, value)
     store = dist.FileStore(ctx.store_path(name), ctx.world_size)
     return pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
-                           timeout=datetime.timedelta(seconds=60), options=options)
+                           timeout=datetime.timedelta(seconds=timeout_s), options=options)
 
 
 def _setup(ctx: RankContext) -> None:

@@ -102,3 +102,15 @@ def test_chain_positions_start_at_root():
             assert positions[root] == 0
             assert sorted(positions) == list(range(n))
             assert all(positions[(root + k) % n] == k for k in range(n))
+
+
+def test_a_broadcasts_root_writes_whole_pages_of_a_balanced_share():
+    page = 4096
+    for n in range(1, 6):
+        for nbytes in (0, 1, page - 1, page, n * page - 1, n * page, 3 * n * page + 17, 1 << 20):
+            tail = sched.root_written_bytes(nbytes, n)
+            if n == 1:
+                assert tail == 0
+                continue
+            # whole pages, at most 1/n of the buffer, less than a page short of it
+            assert tail % page == 0 and tail <= nbytes / n < tail + page, (n, nbytes, tail)

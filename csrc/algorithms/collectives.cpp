@@ -325,11 +325,13 @@ RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine
   const bool throughKernel = reads.throughKernel && voter.kernelVote == 1;
   // how each tensor read is reached: mapped, through the kernel, or not at all
   RegisteredView view{ConstRankPtrs(c.worldSize),
-                      c10::SmallVector<bool, kInlineRanks>(c.worldSize)};
+                      c10::SmallVector<bool, kInlineRanks>(c.worldSize),
+                      c10::SmallVector<uint64_t, kInlineRanks>(c.worldSize)};
   c10::SmallVector<TensorWhere, kInlineRanks> where(c.worldSize);
   for (int k = 0; k < c.worldSize; ++k) {
-    if (root >= 0 && k != root) continue;
     std::memcpy(&where[k], mem.peerBuffer(k), sizeof where[k]);
+    view.addresses[k] = where[k].address;
+    if (root >= 0 && k != root) continue;
     const bool mapped = reads.mapped && where[k].ref.serial != 0;
     if (!mapped && !(throughKernel && where[k].address != 0)) return {};
     view.remote[k] = !mapped && k != c.rank;
@@ -380,9 +382,23 @@ void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& i
 
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root) {
-  // the root's buf to mine
-  if (c.rank != root) readTensor(c, mem, bufs, root, buf, 0, bytes);
-  // no rank reads the root's buf any more
+  // Through the kernel every buf splits at `head`: the receiver reads the
+  // head from the root's buf, the root writes the tail into the receiver's.
+  const size_t tail =
+      bufs.throughKernel ? schedule::rootWrittenBytes(bytes, c.worldSize) : 0;
+  const size_t head = bytes - tail;
+  if (c.rank == root) {
+    // the tail of my buf into every peer's, in turn
+    for (int k = 1; k < c.worldSize && tail > 0; ++k) {
+      const int to = schedule::mod(root + k, c.worldSize);
+      PYDDP_CHECK(bufs.addresses[to] != 0, "rank ", to, " offered no buffer to broadcast into");
+      mem.writeProcess(to, bufs.addresses[to] + head, at(buf, head, 1), tail);
+    }
+  } else {
+    // the head of the root's buf to mine
+    readTensor(c, mem, bufs, root, buf, 0, head);
+  }
+  // every buf is whole: no rank reads the root's buf or writes mine any more
   mem.exchange();
 }
 

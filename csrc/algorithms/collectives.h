@@ -119,6 +119,8 @@ struct InPlaceReads {
 struct RegisteredView {
   ConstRankPtrs tensors;  // by rank; nullptr for a rank not read
   c10::SmallVector<bool, kInlineRanks> remote;
+  // Where each rank's tensor lies in its own process (0: not offered).
+  c10::SmallVector<uint64_t, kInlineRanks> addresses;
   // Some rank reads a tensor through the kernel (a broadcast's root reads
   // nothing, but its peers read its tensor so): alike on every rank.
   bool throughKernel = false;
@@ -136,7 +138,9 @@ RegisteredView arriveRegistered(const Call& c, PeerMemory& mem, const void* mine
 void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& in,
                          DataType dtype, c10::ArrayRef<void*> outBlocks, size_t blockCount);
 // buf of rank `root` to buf of every rank, read from the root's buf in
-// place (the other ranks' are not read).
+// place. Through the kernel, the root, idle otherwise, writes the tail of
+// each peer's buf (schedule::rootWrittenBytes) while the peer reads the
+// head: two copies at once where there was one.
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root);
 // buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every

@@ -76,5 +76,18 @@ PYDDP_HD inline int chainPosition(int rank, int root, int n) {
   return mod(rank - root, n);
 }
 
+// A broadcast read through the kernel (collectives.h, registeredBroadcast)
+// splits each receiver's buffer in two: the head it reads from the root's,
+// the tail of rootWrittenBytes() the root writes into it meanwhile. The
+// root writes n-1 tails while each receiver reads one head, so a tail of
+// 1/n of the buffer keeps both busy for the same time. It is rounded down to
+// whole pages (kSplitAlign): the kernel copies page by page, and a tail of
+// less than a page is not worth the root's system call. 0: the receivers
+// read it all.
+constexpr size_t kSplitAlign = 4096;
+PYDDP_HD inline size_t rootWrittenBytes(size_t bytes, int n) {
+  return n < 2 ? 0 : bytes / static_cast<size_t>(n) / kSplitAlign * kSplitAlign;
+}
+
 } // namespace schedule
 } // namespace pyddp

@@ -63,6 +63,12 @@ void bindTesting(py::module_& m) {
   t.def("num_pieces", &schedule::numPieces);
   t.def("registered_maps_made", &registered::PeerMaps::mapsMade);
   t.def("process_reads", &shm::ShmTransport::processReads);
+  t.def("process_writes", &shm::ShmTransport::processWrites);
+  t.def("pause_process_writes", [](int64_t beforeCheckMs, int64_t beforeCopyMs) {
+    shm::ShmTransport::pauseWrites(std::chrono::milliseconds(beforeCheckMs),
+                                   std::chrono::milliseconds(beforeCopyMs));
+  });
+  t.def("root_written_bytes", &schedule::rootWrittenBytes);
   t.def("chain_position", &schedule::chainPosition);
   // The CPU kernels over contiguous tensors; partials are float32 for half
   // types and the element type otherwise.

@@ -17,6 +17,8 @@
 #include <new>
 #include <random>
 #include <sstream>
+#include <thread>
+#include <utility>
 
 #include "common/blob.h"
 #include "common/check.h"
@@ -505,7 +507,13 @@ void ShmTransport::leave(const std::string& why) {
 }
 
 void ShmTransport::giveUp(const std::string& why, bool onNext) {
-  if (segments_[rank_].header == nullptr || abandoned_.exchange(true)) return;
+  if (segments_[rank_].header == nullptr) return;
+  if (abandoned_.exchange(true)) {
+    // A second caller, too, returns only once no write into this process
+    // is under way.
+    refuseWrites();
+    return;
+  }
   SegmentHeader& own = *segments_[rank_].header;
   const size_t n = std::min(why.size(), kFailureTextBytes - 1);
   std::memcpy(own.failureText, why.data(), n);
@@ -513,6 +521,18 @@ void ShmTransport::giveUp(const std::string& why, bool onNext) {
   // arrived, not current_: this may run on another thread than enter().
   const uint64_t seq = own.arrived.value.load(std::memory_order_relaxed) + (onNext ? 1 : 0);
   own.failed.value.store(std::max<uint64_t>(seq, 1), std::memory_order_release);
+  refuseWrites();
+}
+
+void ShmTransport::refuseWrites() {
+  if (segments_[rank_].header == nullptr) return;
+  segments_[rank_].header->refusesWrites.value.store(1, std::memory_order_seq_cst);
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k == rank_ || segments_[k].header == nullptr) continue;
+    const auto& writing = header(k).writing.value;
+    Backoff backoff;
+    while (writing.load(std::memory_order_seq_cst) != 0 && peerStillIn(k)) backoff.pause();
+  }
 }
 
 void ShmTransport::abort() {
@@ -696,42 +716,98 @@ const void* ShmTransport::registeredTensor(int rank, const registered::Ref& ref,
 
 namespace {
 std::atomic<uint64_t> processReadsCount{0};
+std::atomic<uint64_t> processWritesCount{0};
+std::atomic<int64_t> pauseBeforeCheckMs{0};
+std::atomic<int64_t> pauseBeforeCopyMs{0};
+
+void pauseFor(const std::atomic<int64_t>& ms) {
+  const int64_t n = ms.load(std::memory_order_relaxed);
+  if (n > 0) std::this_thread::sleep_for(std::chrono::milliseconds(n));
+}
 } // namespace
 
 uint64_t ShmTransport::processReads() {
   return processReadsCount.load(std::memory_order_relaxed);
 }
 
+uint64_t ShmTransport::processWrites() {
+  return processWritesCount.load(std::memory_order_relaxed);
+}
+
+void ShmTransport::pauseWrites(std::chrono::milliseconds beforeCheck,
+                               std::chrono::milliseconds beforeCopy) {
+  pauseBeforeCheckMs.store(beforeCheck.count(), std::memory_order_relaxed);
+  pauseBeforeCopyMs.store(beforeCopy.count(), std::memory_order_relaxed);
+}
+
+namespace {
+// Copies `bytes` between `local` here and `remote` in process `pid` through
+// the kernel, in as many calls as it takes (a call may copy less): the
+// bytes copied, and the errno of the call that failed (0 if none did, or
+// one copied nothing).
+std::pair<size_t, int> copyThroughKernel(int pid, bool write, char* local, char* remote,
+                                         size_t bytes) {
+  size_t done = 0;
+  while (done < bytes) {
+    iovec here{local + done, bytes - done};
+    iovec there{remote + done, bytes - done};
+    const ssize_t got = write ? process_vm_writev(pid, &here, 1, &there, 1, 0)
+                              : process_vm_readv(pid, &here, 1, &there, 1, 0);
+    if (got <= 0) return {done, got < 0 ? errno : 0};
+    done += static_cast<size_t>(got);
+  }
+  return {done, 0};
+}
+} // namespace
+
 void ShmTransport::readProcess(int rank, void* dst, uint64_t address, size_t bytes) {
-  const Segment& s = segments_[rank];
   // The kernel copies from the peer's page tables as they are during the
   // call: a peer that exited (its pid then names nothing, or, once reaped,
   // another process: hence the pidfd below) or unmapped the range fails it.
-  size_t done = 0;
-  int err = 0;
-  while (done < bytes) {
-    iovec local{static_cast<char*>(dst) + done, bytes - done};
-    iovec remote{reinterpret_cast<char*>(address) + done, bytes - done};
-    const ssize_t got = process_vm_readv(s.pid, &local, 1, &remote, 1, 0);
-    if (got <= 0) {
-      err = got < 0 ? errno : 0;
-      break;
-    }
-    done += static_cast<size_t>(got);
-  }
+  const auto [done, err] = copyThroughKernel(segments_[rank].pid, /*write=*/false,
+                                             static_cast<char*>(dst),
+                                             reinterpret_cast<char*>(address), bytes);
   // A peer releases its tensor only after the collective's next meeting
   // (which this rank has not reached), or after it gave up or died: the
   // bytes read are its tensor's unless one of those happened first, and a
-  // failed read is named by that first. ESRCH: the process has no memory
-  // any more (its main thread exited, though a pidfd may not say so until
-  // its last thread has).
-  PYDDP_CHECK_COMM(err != ESRCH && peerStillIn(rank), "rank ", rank, " (pid ", s.pid,
-                   ") exited while rank ", rank_, " read its tensor in ", currentCall());
-  failIfGaveUp(rank, current_.seq);
-  PYDDP_CHECK_COMM(done == bytes, "rank ", rank_, ": ", currentCall(), ": process_vm_readv of ",
-                   bytes - done, " bytes of rank ", rank, "'s tensor (pid ", s.pid, ") failed: ",
-                   err != 0 ? std::strerror(err) : "no progress");
+  // failed read is named by that first.
+  checkCopied(rank, /*write=*/false, done, bytes, err);
   processReadsCount.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ShmTransport::writeProcess(int rank, uint64_t address, const void* src, size_t bytes) {
+  auto& writing = segments_[rank_].header->writing.value;
+  // announce the write, then look whether the receiver still takes it
+  // (protocol in shm.h: "Writes into a peer")
+  writing.store(current_.seq, std::memory_order_seq_cst);
+  pauseFor(pauseBeforeCheckMs);
+  if (header(rank).refusesWrites.value.load(std::memory_order_seq_cst) != 0) {
+    writing.store(0, std::memory_order_release);
+    failIfGaveUp(rank, std::numeric_limits<uint64_t>::max());
+    PYDDP_CHECK_COMM(false, "rank ", rank, " gave up while rank ", rank_,
+                     " was to write its tensor in ", currentCall());
+  }
+  pauseFor(pauseBeforeCopyMs);
+  const auto [done, err] = copyThroughKernel(
+      segments_[rank].pid, /*write=*/true, const_cast<char*>(static_cast<const char*>(src)),
+      reinterpret_cast<char*>(address), bytes);
+  writing.store(0, std::memory_order_release);
+  if (done > 0) processWritesCount.fetch_add(1, std::memory_order_relaxed);
+  checkCopied(rank, /*write=*/true, done, bytes, err);
+}
+
+void ShmTransport::checkCopied(int rank, bool write, size_t done, size_t bytes, int err) const {
+  const Segment& s = segments_[rank];
+  // ESRCH: the process has no memory any more (its main thread exited,
+  // though a pidfd may not say so until its last thread has).
+  PYDDP_CHECK_COMM(err != ESRCH && peerStillIn(rank), "rank ", rank, " (pid ", s.pid,
+                   ") exited while rank ", rank_, (write ? " wrote" : " read"),
+                   " its tensor in ", currentCall());
+  failIfGaveUp(rank, current_.seq);
+  PYDDP_CHECK_COMM(done == bytes, "rank ", rank_, ": ", currentCall(), ": ",
+                   (write ? "process_vm_writev" : "process_vm_readv"), " of ", bytes - done,
+                   (write ? " bytes into rank " : " bytes of rank "), rank, "'s tensor (pid ",
+                   s.pid, ") failed: ", err != 0 ? std::strerror(err) : "no progress");
 }
 
 bool ShmTransport::peerStillIn(int rank) const {

@@ -46,10 +46,10 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // arrival publishes may hold a registered::Ref; 5: mapsRegistered and the
 // probe named in the blob; 6: readsProcesses, the cross-memory attach probe,
 // cma and cma_min_bytes in the blob, and the round an arrival publishes holds
-// an algorithms::TensorWhere) do not connect: the blob says its layout
-// first, so a peer of another version is named as such before its fields
-// are read.
-constexpr uint32_t kLayoutVersion = 6;
+// an algorithms::TensorWhere; 7: writing and refusesWrites) do not connect:
+// the blob says its layout first, so a peer of another version is named as
+// such before its fields are read.
+constexpr uint32_t kLayoutVersion = 7;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
@@ -113,6 +113,23 @@ static_assert(offsetof(DescriptorSlot, published) == 0 && offsetof(DescriptorSlo
 //   deadline. A rank that gave up and then aborts its own waits reports its
 //   own failureText.
 //
+// Writes into a peer (writeProcess: a broadcast's root writes part of each
+//   receiver's tensor through the kernel while the receiver reads the
+//   rest). A receiver that gives up may hand its tensor back to its caller,
+//   who may free it: no write may land after that. The writer stores
+//   writing = seq (seq_cst), then loads the receiver's refusesWrites
+//   (seq_cst) and writes only if it is 0; it stores writing = 0 (release)
+//   once the system call returned. A rank that gives up, on every call
+//   (abandon may run on two threads, and the second must not return
+//   before the write either), stores refusesWrites = 1 (seq_cst), then
+//   loads each peer's writing (seq_cst) and waits while it is not 0 and
+//   the peer's process has not exited. Invariant: of the two stores, the
+//   one first in the single total order is seen by the other side's load,
+//   so either the writer does not write or the receiver waits for the
+//   write to end. The wait is as long as one system call of the writer's,
+//   unless it is stopped (a signal, a debugger): the receiver then waits
+//   with it, as its tensor may still be written.
+//
 // Ring link (this rank -> rank+1). Pieces are numbered over the life of the
 //   group. To send piece k the sender waits until the receiver's
 //   consumed >= k + 1 - numSlots (slot k % numSlots is free), writes the
@@ -144,6 +161,10 @@ struct alignas(kCacheLine) SegmentHeader {
   Counter posted;    // ring pieces this rank has written to its slots
   Counter consumed;  // ring pieces this rank has read from its left peer
   Counter failed;    // collective this rank gave up on; 0 = none
+  // Writes into a peer (above): the collective whose write this rank is
+  // in, 0 = none; 1 once this rank gave up, 0 before.
+  Counter writing;
+  Counter refusesWrites;
   DescriptorSlot desc[kDescriptorRing];
   char failureText[kFailureTextBytes];
 };
@@ -161,8 +182,10 @@ static_assert(offsetof(SegmentHeader, magic) == 0 &&
               offsetof(SegmentHeader, arrived) == 64 &&
               offsetof(SegmentHeader, staged) == 128 && offsetof(SegmentHeader, posted) == 192 &&
               offsetof(SegmentHeader, consumed) == 256 && offsetof(SegmentHeader, failed) == 320 &&
-              offsetof(SegmentHeader, desc) == 384 && offsetof(SegmentHeader, failureText) == 640 &&
-              sizeof(SegmentHeader) == 1088);
+              offsetof(SegmentHeader, writing) == 384 &&
+              offsetof(SegmentHeader, refusesWrites) == 448 &&
+              offsetof(SegmentHeader, desc) == 512 && offsetof(SegmentHeader, failureText) == 768 &&
+              sizeof(SegmentHeader) == 1216);
 
 class ShmMessages;
 
@@ -233,9 +256,17 @@ class ShmTransport final : public Transport,
   // word through process_vm_readv (connect()).
   std::string whyNotReadProcesses() const override { return processRefusal_; }
   void readProcess(int rank, void* dst, uint64_t address, size_t bytes) override;
-  // Copies made by readProcess() in this process so far: tests see through
-  // it which path a collective took.
+  void writeProcess(int rank, uint64_t address, const void* src, size_t bytes) override;
+  // Copies made by readProcess() and writeProcess() (one that wrote any
+  // byte) in this process so far: tests see through them which path a
+  // collective took.
   static uint64_t processReads();
+  static uint64_t processWrites();
+  // For tests of the protocol of writes into a peer: writeProcess() sleeps
+  // `beforeCheck` between storing writing and loading the peer's
+  // refusesWrites, and `beforeCopy` after it (both 0 outside tests).
+  static void pauseWrites(std::chrono::milliseconds beforeCheck,
+                          std::chrono::milliseconds beforeCopy);
 
  private:
   struct Segment {
@@ -283,7 +314,14 @@ class ShmTransport final : public Transport,
   void failIfGaveUp(int peer, uint64_t upTo) const;
   // On the newest collective this rank entered, or on the next one.
   void giveUp(const std::string& why, bool onNext);
+  // The second half of giving up: no peer starts a write into this process
+  // from now on, and none is under way on return (protocol above).
+  void refuseWrites();
   bool peerAlive(int rank) const;
+  // Fails, naming the first cause, unless a copy through the kernel from
+  // (or, `write`, into) rank `rank`'s process of `bytes` copied them all
+  // (`done`; `err`: errno) while the rank was alive and had not given up.
+  void checkCopied(int rank, bool write, size_t done, size_t bytes, int err) const;
   // Whether rank `rank`'s pinned process (Segment::pidfd) has not exited.
   bool peerStillIn(int rank) const;
   // Sets `refusal` (if "") naming the first rank whose header says it could

@@ -127,6 +127,15 @@ class PeerMemory {
   virtual void readProcess(int rank, void* dst, uint64_t address, size_t bytes) {
     PYDDP_CHECK(false, "this transport does not read peers' processes");
   }
+  // The other way (the kernel lets a process write another's memory where
+  // it lets it read it): `bytes` of src into `address` in rank `rank`'s
+  // process, a tensor it offered in this collective. Fails (naming the
+  // rank) if the rank gave up or died first; a rank that gives up returns
+  // only once no write into its memory is under way (shm.h, "Writes into a
+  // peer").
+  virtual void writeProcess(int rank, uint64_t address, const void* src, size_t bytes) {
+    PYDDP_CHECK(false, "this transport does not write peers' processes");
+  }
 };
 
 // Where connections made after bootstrap (point-to-point channels, made on
