@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -249,8 +250,11 @@ def test_a_root_killed_before_its_tensor_is_read_is_named_and_nothing_is_left():
 
 # --- a receiver that gives up while the root may write into it ------------------
 
-TIMEOUT_S = 1.0  # the receiver's, so that it gives up inside the root's pause
-PAUSE_MS = 3000
+# The receiver's timeout, inside which the root must arrive (and, in
+# _given_up's second case, look at the receiver); the root's pause is well
+# past it, so the receiver gives up during the pause.
+TIMEOUT_S = 3.0
+PAUSE_MS = 8000
 
 
 def _broadcast_given_up(ctx: RankContext, pauses: tuple) -> tuple:
@@ -282,9 +286,11 @@ def _broadcast_given_up(ctx: RankContext, pauses: tuple) -> tuple:
 def _given_up(pauses: tuple) -> tuple:
     pool = Ranks(2)
     try:
-        return tuple(pool.run(_broadcast_given_up, pauses, timeout=60))
+        results = tuple(pool.run(_broadcast_given_up, pauses, timeout=120))
     finally:
         pool.close()
+    assert pyddp_segments() == []
+    return results
 
 
 @needs_kernel_reads
@@ -302,6 +308,34 @@ def test_a_receiver_that_gives_up_during_the_roots_write_returns_after_it():
     assert writes == 1
     assert bool((at_return == 1).all()) and kept
     assert "timed out" in said0 and "rank 1 gave up" in said0, said0
+
+
+def _receiver_of_a_killed_writer(ctx: RankContext) -> str:
+    pg = _group(ctx, "killed_writer", cma=ALWAYS, cma_min_bytes=1)
+    return raises(dist.DistBackendError, "exited", pg.broadcast, torch.zeros(COUNT), 1)
+
+
+def _writer_killed_in_its_write(ctx: RankContext) -> None:
+    pg = _group(ctx, "killed_writer", cma=ALWAYS, cma_min_bytes=1)
+    # The write announced, its copy not begun: the receiver, once it finds
+    # this rank dead, must stop waiting for the write to end.
+    _testing.pause_process_writes(0, 60_000)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    pg.broadcast(torch.ones(COUNT), 1)
+
+
+@needs_kernel_reads
+def test_a_receiver_whose_writer_died_announcing_a_write_is_not_held():
+    pool = Ranks(2)
+    try:
+        pid = pool.pid(1)
+        said, died = pool.run_each([_receiver_of_a_killed_writer, _writer_killed_in_its_write],
+                                   allow_dead=True, timeout=60)
+    finally:
+        pool.close()
+    assert isinstance(died, Died) and died.exitcode == -signal.SIGKILL, died
+    assert f"rank 1 (pid {pid}) exited" in said, said
+    assert pyddp_segments() == []
 
 
 # --- rank 0's choice, fed modelled times -----------------------------------------

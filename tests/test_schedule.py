@@ -104,7 +104,7 @@ def test_chain_positions_start_at_root():
             assert all(positions[(root + k) % n] == k for k in range(n))
 
 
-def test_a_broadcasts_root_writes_whole_pages_of_a_balanced_share():
+def test_a_broadcasts_root_writes_a_balanced_share_in_a_multiple_of_a_page():
     page = 4096
     for n in range(1, 6):
         for nbytes in (0, 1, page - 1, page, n * page - 1, n * page, 3 * n * page + 17, 1 << 20):
@@ -112,5 +112,5 @@ def test_a_broadcasts_root_writes_whole_pages_of_a_balanced_share():
             if n == 1:
                 assert tail == 0
                 continue
-            # whole pages, at most 1/n of the buffer, less than a page short of it
+            # a multiple of a page, at most 1/n of the buffer, less than a page short of it
             assert tail % page == 0 and tail <= nbytes / n < tail + page, (n, nbytes, tail)

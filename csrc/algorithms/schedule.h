@@ -81,9 +81,8 @@ PYDDP_HD inline int chainPosition(int rank, int root, int n) {
 // the tail of rootWrittenBytes() the root writes into it meanwhile. The
 // root writes n-1 tails while each receiver reads one head, so a tail of
 // 1/n of the buffer keeps both busy for the same time. It is rounded down to
-// whole pages (kSplitAlign): the kernel copies page by page, and a tail of
-// less than a page is not worth the root's system call. 0: the receivers
-// read it all.
+// a multiple of kSplitAlign (a page): a tail of less than a page is not
+// worth the root's system call. 0: the receivers read it all.
 constexpr size_t kSplitAlign = 4096;
 PYDDP_HD inline size_t rootWrittenBytes(size_t bytes, int n) {
   return n < 2 ? 0 : bytes / static_cast<size_t>(n) / kSplitAlign * kSplitAlign;

@@ -343,6 +343,15 @@ std::string ShmTransport::whyNotReadPeers(const std::vector<ProcessProbe>& probe
     if (token != probes[peer].token) {
       return "process_vm_readv of " + who + " read another value than its blob names";
     }
+    // And back, as a broadcast's root writes its peers' tensors: the kernel
+    // checks the same rights, but a seccomp filter may let reads through
+    // and not writes. The same value: a peer reading the word meanwhile
+    // sees no change.
+    const ssize_t put = process_vm_writev(s.pid, &local, 1, &remote, 1, 0);
+    if (put != sizeof token) {
+      return "process_vm_writev of " + who + " failed: " +
+          (put < 0 ? errnoText() : "it wrote " + std::to_string(put) + " bytes of 8");
+    }
   }
   return "";
 }

@@ -153,8 +153,8 @@ struct alignas(kCacheLine) SegmentHeader {
   // (connect()); 0 if it could not. Written before the rank tells the store
   // it connected, read by peers after every rank has (connected()).
   std::atomic<uint32_t> mapsRegistered;
-  // 1 once this rank has read every peer's cross-memory attach probe
-  // (connect()); 0 if it could not. Written and read as mapsRegistered.
+  // 1 once this rank has read every peer's cross-memory attach probe and
+  // written it back (connect()); 0 if it could not. Written and read as mapsRegistered.
   std::atomic<uint32_t> readsProcesses;
   Counter arrived;   // newest collective this rank entered
   Counter staged;    // direct rounds this rank has staged
@@ -253,7 +253,8 @@ class ShmTransport final : public Transport,
   std::string whyNotMapRegistered() const override { return registeredRefusal_; }
   const void* registeredTensor(int rank, const registered::Ref& ref, size_t bytes) override;
   // Agreed while connecting: "" when every rank read every peer's probe
-  // word through process_vm_readv (connect()).
+  // word through process_vm_readv and wrote it back through
+  // process_vm_writev (connect()).
   std::string whyNotReadProcesses() const override { return processRefusal_; }
   void readProcess(int rank, void* dst, uint64_t address, size_t bytes) override;
   void writeProcess(int rank, uint64_t address, const void* src, size_t bytes) override;
@@ -329,7 +330,8 @@ class ShmTransport final : public Transport,
   void agreeOnProbes(std::atomic<uint32_t> SegmentHeader::*succeeded, const char* what,
                      std::string& refusal) const;
   // Why this rank cannot read every peer's probe word through the kernel
-  // ("" if it can), pinning each peer's process on the way. By rank: the
+  // and write it back ("" if it can), pinning each peer's process on the
+  // way. By rank: the
   // word's address in the peer's process, and what it holds.
   struct ProcessProbe {
     uint64_t address = 0;
@@ -366,9 +368,9 @@ class ShmTransport final : public Transport,
   void* probe_ = nullptr;
   // Why this group does not read registered tensors in place ("" if it does).
   std::string registeredRefusal_ = "the group is not connected";
-  // A word the peers read through process_vm_readv while connecting, to
-  // learn whether the kernel lets them; it holds a value of this rank's
-  // choosing, named in the blob.
+  // A word the peers read through process_vm_readv (and write back
+  // unchanged) while connecting, to learn whether the kernel lets them; it
+  // holds a value of this rank's choosing, named in the blob.
   uint64_t processProbe_ = 0;
   // Why this group does not read peers' plain tensors through the kernel
   // ("" if it does).
