@@ -154,7 +154,8 @@ struct alignas(kCacheLine) SegmentHeader {
   // it connected, read by peers after every rank has (connected()).
   std::atomic<uint32_t> mapsRegistered;
   // 1 once this rank has read every peer's cross-memory attach probe and
-  // written it back (connect()); 0 if it could not. Written and read as mapsRegistered.
+  // written it back (connect()); 0 if it could not. Written and read as
+  // mapsRegistered.
   std::atomic<uint32_t> readsProcesses;
   Counter arrived;   // newest collective this rank entered
   Counter staged;    // direct rounds this rank has staged
@@ -331,8 +332,8 @@ class ShmTransport final : public Transport,
                      std::string& refusal) const;
   // Why this rank cannot read every peer's probe word through the kernel
   // and write it back ("" if it can), pinning each peer's process on the
-  // way. By rank: the
-  // word's address in the peer's process, and what it holds.
+  // way. By rank: the word's address in the peer's process, and what it
+  // holds.
   struct ProcessProbe {
     uint64_t address = 0;
     uint64_t token = 0;
