@@ -309,8 +309,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("STREAMING", SlotStores::Streaming);
 
   py::enum_<CmaReads>(m, "CmaReads",
-                      "Whether all_gather and broadcast read peers' plain CPU tensors "
-                      "through the kernel (cross-memory attach) from cma_min_bytes per rank "
+                      "Whether all_gather, broadcast, all_reduce and reduce_scatter read "
+                      "peers' plain CPU tensors through the kernel (cross-memory attach) "
+                      "from cma_min_bytes per rank "
                       "on: on the calls a measurement picks (AUTO), on every call "
                       "(ALWAYS), or NEVER.")
       .value("AUTO", CmaReads::Auto)

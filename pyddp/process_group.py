@@ -215,7 +215,8 @@ class ProcessGroup:
                 "the engine does not read peers' memory through the kernel")
             logger.info("%s: plain tensors: %s", who,
                         f"not read through the kernel: {refusal}" if refusal else
-                        f"all_gather and broadcast may read through the kernel "
+                        f"all_gather, broadcast, all_reduce and reduce_scatter may read "
+                        f"through the kernel "
                         f"({self._options.cma.name.lower()}) from "
                         f"{self._options.cma_min_bytes} bytes per rank")
             self._cpu_engine = engine

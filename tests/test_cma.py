@@ -1,6 +1,8 @@
-"""Cross-memory attach: all_gather and broadcast read a peer's plain tensor
-through the kernel (process_vm_readv), one copy instead of two; a
-broadcast's root writes part of each receiver's meanwhile (process_vm_writev).
+"""Cross-memory attach: all_gather, broadcast, all_reduce and reduce_scatter
+read a peer's plain tensor through the kernel (process_vm_readv), one copy
+instead of two (a reduction copies each piece into scratch, then reduces
+it); a broadcast's root writes part of each receiver's meanwhile
+(process_vm_writev).
 
 Results are checked against single-process references (collective_cases)
 here, and on every dtype, size and world size by the ``cma`` group of
@@ -74,9 +76,10 @@ def ranks(request):
 
 
 def _reads(ctx: RankContext, count: int, registered: bool = False, group: str = "cma") -> tuple:
-    """Kernel reads made by an all_gather, a broadcast from rank 1 and an
-    all_reduce of `count` float32 per rank, each checked, and kernel writes
-    made by the broadcast."""
+    """Kernel reads made by an all_gather, a broadcast from rank 1, an
+    all_reduce and a reduce_scatter of `count` float32 per rank (the
+    reduce_scatter's output), each checked, and kernel writes made by the
+    broadcast."""
     pg, n = ctx.groups[group], ctx.world_size
     own = registered_copy if registered else torch.Tensor.clone
     made = []
@@ -97,22 +100,64 @@ def _reads(ctx: RankContext, count: int, registered: bool = False, group: str = 
     pg.all_reduce(t)
     check_equal(t, reference_reduce(inputs, ReduceOp.SUM), f"all_reduce count={count}")
     made.append(_testing.process_reads() - before)
+    before = _testing.process_reads()
+    wholes = [make_input(r, n * count, torch.float32, salt=2) for r in range(n)]
+    out = torch.full((count,), 5.0)
+    pg.reduce_scatter_single(out, own(wholes[ctx.rank]))
+    expected = reference_reduce(wholes, ReduceOp.SUM)[ctx.rank * count:(ctx.rank + 1) * count]
+    check_equal(out, expected, f"reduce_scatter count={count}")
+    made.append(_testing.process_reads() - before)
     return (*made, written)
 
 
+def _reduction_reads(count: int, n: int) -> tuple:
+    """The kernel reads of _reads' all_reduce and reduce_scatter on any rank:
+    a piece of its block per peer and piece, then (all_reduce) each other
+    block whole from the rank that reduced it."""
+    piece = _testing.kernel_piece_bytes(n) // 4
+    block = -(-count // n)  # the longest block, as balanced blocks are
+    return ((n - 1) * -(-block // piece) + n - 1, (n - 1) * -(-count // piece))
+
+
 @needs_kernel_reads
-def test_all_gather_and_broadcast_from_cma_min_bytes_read_each_peer_through_the_kernel(ranks):
+def test_collectives_from_cma_min_bytes_read_each_peer_through_the_kernel(ranks):
     results = ranks.run(_reads, COUNT)
     n = len(results)
     # all_gather: one read per peer; broadcast: one per rank but the root,
-    # which writes into each of them; all_reduce: none (a reduction reads
-    # mapped tensors only).
+    # which writes into each of them; all_reduce and reduce_scatter: a read
+    # per piece of each peer's block, which the test's count keeps at one
     assert _testing.root_written_bytes(COUNT * 4, n) > 0
-    assert results == [(n - 1, 0, 0, n - 1) if r == 1 else (n - 1, 1, 0, 0) for r in range(n)]
+    all_reduce, reduce_scatter = _reduction_reads(COUNT, n)
+    assert (all_reduce, reduce_scatter) == (2 * (n - 1), n - 1)
+    assert results == [(n - 1, 0, all_reduce, reduce_scatter, n - 1) if r == 1
+                       else (n - 1, 1, all_reduce, reduce_scatter, 0) for r in range(n)]
+
+
+@needs_kernel_reads
+def test_a_reduction_reads_a_peers_block_piece_by_piece(ranks):
+    # 5 pieces of each block of the reduce_scatter, the last one short; the
+    # all_reduce's blocks are a 1/n of the tensor
+    n = ranks.world_size
+    count = 5 * _testing.kernel_piece_bytes(n) // 4 - 3
+    results = ranks.run(_reads, count)
+    all_reduce, reduce_scatter = _reduction_reads(count, n)
+    assert reduce_scatter == 5 * (n - 1)
+    assert [r[2:4] for r in results] == [(all_reduce, reduce_scatter)] * n
+
+
+def test_the_peers_pieces_fill_the_scratch_in_whole_pages():
+    scratch, page = _testing.KERNEL_SCRATCH_BYTES, 4096
+    for n in range(2, 130):
+        piece = _testing.kernel_piece_bytes(n)
+        assert piece % page == 0 and piece >= page, n
+        # as large as fits, unless a page each is already too much
+        assert (n - 1) * piece <= scratch < (n - 1) * (piece + page) or piece == page, n
+        assert _testing.kernel_scratch_bytes(n) == (n - 1) * piece, n
+    assert _testing.kernel_scratch_bytes(1) == 0
 
 
 def test_smaller_messages_take_the_staged_path(ranks):
-    assert set(ranks.run(_reads, COUNT - 1)) == {(0, 0, 0, 0)}
+    assert set(ranks.run(_reads, COUNT - 1)) == {(0, 0, 0, 0, 0)}
 
 
 def _registered_reads(ctx: RankContext) -> tuple:
@@ -125,13 +170,16 @@ def test_registered_tensors_are_mapped_not_read_through_the_kernel(ranks):
     results = ranks.run(_registered_reads)
     n = len(results)
     # all_gather maps each peer's input, broadcast the root's (on the other
-    # ranks), all_reduce (below its registered window) nothing
-    assert results == [((0, 0, 0, 0), n - 1 + (0 if r == 1 else 1)) for r in range(n)]
+    # ranks), reduce_scatter each peer's input; all_reduce, below its
+    # registered window, reads them through the kernel as it would plain ones
+    all_reduce = _reduction_reads(COUNT, n)[0]
+    assert results == [((0, 0, all_reduce, 0, 0), 2 * (n - 1) + (0 if r == 1 else 1))
+                       for r in range(n)]
 
 
 @pytest.mark.parametrize("group", ["never", "ring"])
 def test_groups_that_do_not_read_through_the_kernel_run_as_before(ranks, group):
-    assert set(ranks.run(_reads, COUNT, False, group)) == {(0, 0, 0, 0)}
+    assert set(ranks.run(_reads, COUNT, False, group)) == {(0, 0, 0, 0, 0)}
 
 
 def _auto_picks(ctx: RankContext) -> list:
@@ -203,7 +251,7 @@ def test_a_rank_whose_peer_cannot_be_read_makes_the_group_read_through_slots():
         (said0, reads0), (said1, reads1) = pool.run(_one_rank_closed)
     finally:
         pool.close()
-    assert reads0 == reads1 == (0, 0, 0, 0)
+    assert reads0 == reads1 == (0, 0, 0, 0, 0)
     assert said0.startswith("process_vm_readv of rank 1 (pid ") and \
         "Operation not permitted" in said0, said0
     assert said1 == "rank 0 cannot read every peer's memory through the kernel", said1
@@ -345,14 +393,15 @@ def test_a_receiver_whose_writer_died_announcing_a_write_is_not_held():
 # 280 us), the kernel copy at about 180 us either way.
 SLOTS_NEAR, SLOTS_FAR, KERNEL = 200e3 / (1 << 20), 280e3 / (1 << 20), 180e3 / (1 << 20)
 SIZE = 1 << 20
+KIND = "all_gather"
 
 
-def _call(chooser, kernel_cost, slots_cost, size=SIZE, broadcast=False):
+def _call(chooser, kernel_cost, slots_cost, size=SIZE, kind=KIND):
     """One collective as rank 0 runs it, timed if the chooser asks; returns
     whether it read through the kernel."""
-    kernel, timed = chooser.next(broadcast, size)
+    kernel, timed = chooser.next(kind, size)
     if timed:
-        chooser.observe(broadcast, size, kernel, (kernel_cost if kernel else slots_cost) * size)
+        chooser.observe(kind, size, kernel, (kernel_cost if kernel else slots_cost) * size)
     return kernel
 
 
@@ -363,8 +412,8 @@ def _calls(chooser, kernel_cost, slots_cost, n, **kwargs):
 def test_forced_modes_are_kept_and_not_timed():
     for mode, kernel in ((ALWAYS, True), (NEVER, False)):
         chooser = _testing.CmaChooser(mode)
-        assert all(chooser.next(False, SIZE) == (kernel, False) for _ in range(100))
-        assert chooser.prefers_kernel(True, SIZE) == kernel
+        assert all(chooser.next(KIND, SIZE) == (kernel, False) for _ in range(100))
+        assert chooser.prefers_kernel("broadcast", SIZE) == kernel
 
 
 def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other():
@@ -381,9 +430,9 @@ def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other(
     # measures them below the kernel, and they are taken from then on.
     chooser2 = _testing.CmaChooser(AUTO)
     _calls(chooser2, KERNEL, SLOTS_FAR, EVERY - 1)
-    assert chooser2.prefers_kernel(False, SIZE)
+    assert chooser2.prefers_kernel(KIND, SIZE)
     _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)  # the first, cold, is not timed
-    assert not chooser2.prefers_kernel(False, SIZE)
+    assert not chooser2.prefers_kernel(KIND, SIZE)
     assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, EVERY - 1) == [False] * (EVERY - 2) + [True]
 
 
@@ -393,10 +442,10 @@ def _priced(chooser, n, cost):
     than the call before's), timed if the chooser asks; each (path, timed)."""
     calls = []
     for i in range(n):
-        kernel, timed = chooser.next(False, SIZE)
+        kernel, timed = chooser.next(KIND, SIZE)
         if timed:
             switched = bool(calls) and kernel != calls[-1][0]
-            chooser.observe(False, SIZE, kernel, cost(i, kernel, switched) * SIZE)
+            chooser.observe(KIND, SIZE, kernel, cost(i, kernel, switched) * SIZE)
         calls.append((kernel, timed))
     return calls
 
@@ -410,7 +459,7 @@ def test_the_first_call_after_a_switch_is_not_timed():
     calls = _priced(chooser, RUN + 2, lambda i, kernel, switched:
                     (KERNEL if kernel else KERNEL * 1.1) * (1.4 if switched else 1.0))
     assert calls == [(False, False)] + [(False, True)] * (RUN - 1) + [(True, False), (True, True)]
-    assert chooser.prefers_kernel(False, SIZE)
+    assert chooser.prefers_kernel(KIND, SIZE)
 
 
 def test_an_exploring_run_is_judged_by_its_warm_calls():
@@ -421,24 +470,24 @@ def test_an_exploring_run_is_judged_by_its_warm_calls():
     calls = _priced(chooser, RUN + 2, lambda i, kernel, switched:
                     KERNEL if kernel else 2 * SLOTS_NEAR if i < 2 else SLOTS_NEAR * 0.8)
     assert [kernel for kernel, _ in calls] == [False] * (RUN + 2)
-    assert not chooser.prefers_kernel(False, SIZE)
+    assert not chooser.prefers_kernel(KIND, SIZE)
 
 
 def test_a_preferred_path_that_gets_dearer_is_left_within_a_few_calls():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_NEAR * 1.2, 10)
-    assert chooser.prefers_kernel(False, SIZE)
+    assert chooser.prefers_kernel(KIND, SIZE)
     # The kernel copy gets 2x dearer (the machine's other jobs): each sample
     # raises its floor by at most 1.5x, so the slots win within two calls.
     picks = _calls(chooser, 2 * KERNEL, SLOTS_NEAR * 1.2, 3)
-    assert picks[-1] is False and not chooser.prefers_kernel(False, SIZE)
+    assert picks[-1] is False and not chooser.prefers_kernel(KIND, SIZE)
 
 
 def test_one_slow_call_does_not_move_the_choice():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, 2 * KERNEL, 10)
-    chooser.observe(False, SIZE, True, 1000 * KERNEL * SIZE)  # preempted for a time slice
-    assert chooser.prefers_kernel(False, SIZE)
+    chooser.observe(KIND, SIZE, True, 1000 * KERNEL * SIZE)  # preempted for a time slice
+    assert chooser.prefers_kernel(KIND, SIZE)
 
 
 def test_a_near_tie_keeps_the_slots():
@@ -448,33 +497,45 @@ def test_a_near_tie_keeps_the_slots():
     assert picks[2 * RUN:] == [False] * (EVERY - 1 - 2 * RUN) + [True] * RUN + [False] * 4
     chooser2 = _testing.CmaChooser(AUTO)
     _calls(chooser2, KERNEL, KERNEL * advantage * 1.05, 2 * RUN)
-    assert chooser2.prefers_kernel(False, SIZE)
+    assert chooser2.prefers_kernel(KIND, SIZE)
 
 
 def test_the_kernel_once_taken_is_kept_while_it_is_cheaper_at_all():
     # With one threshold, two paths near it swapped places with their noise.
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_FAR, 10)
-    assert chooser.prefers_kernel(False, SIZE)
+    assert chooser.prefers_kernel(KIND, SIZE)
     # the slots get within 1.1x of the kernel: explored twice, never taken
     assert _calls(chooser, KERNEL, KERNEL * 1.1, 2 * EVERY).count(False) == 2 * RUN
-    assert chooser.prefers_kernel(False, SIZE)
+    assert chooser.prefers_kernel(KIND, SIZE)
     # the slots get cheaper: taken from their next exploration on (call
     # 3 * EVERY; these are calls 2 * EVERY + 11 on)
     picks = _calls(chooser, KERNEL, KERNEL * 0.95, EVERY)
     assert picks.index(False) == EVERY - 11 and picks[EVERY - 11:] == [False] * 11
 
 
+KINDS = ("all_gather", "broadcast", "all_reduce", "reduce_scatter")
+
+
 def test_each_kind_and_power_of_two_is_chosen_for_alone():
     chooser = _testing.CmaChooser(AUTO)
-    _calls(chooser, KERNEL, SLOTS_FAR, 10)  # all_gather of 1 MiB: the kernel
-    _calls(chooser, KERNEL, SLOTS_NEAR * 0.5, 10, broadcast=True)  # broadcast: the slots
+    # 1 MiB: the kernel for every other kind, beginning with all_gather
+    for i, kind in enumerate(KINDS):
+        _calls(chooser, KERNEL, SLOTS_FAR if i % 2 == 0 else SLOTS_NEAR * 0.5, 10, kind=kind)
     _calls(chooser, KERNEL, SLOTS_NEAR * 0.5, 10, size=4 * SIZE)  # all_gather of 4 MiB: the slots
-    assert chooser.prefers_kernel(False, SIZE) and chooser.prefers_kernel(False, 2 * SIZE - 1)
-    assert not chooser.prefers_kernel(True, SIZE)
-    assert not chooser.prefers_kernel(False, 4 * SIZE)
+    assert [chooser.prefers_kernel(kind, SIZE) for kind in KINDS] == [True, False, True, False]
+    assert chooser.prefers_kernel(KIND, 2 * SIZE - 1)
+    assert not chooser.prefers_kernel(KIND, 4 * SIZE)
     # not measured yet: the kernel is tried first, its first call (cold) not timed
-    assert chooser.next(False, 16 * SIZE) == (True, False)
+    assert chooser.next(KIND, 16 * SIZE) == (True, False)
+
+
+def test_the_four_collectives_with_a_kernel_path_are_chosen_for_and_no_other():
+    assert [_testing.CmaChooser.chooses(k) for k in KINDS] == [True] * 4
+    for kind in ("barrier", "reduce", "gather", "scatter", "all_to_all", "send"):
+        assert not _testing.CmaChooser.chooses(kind)
+        raises(RuntimeError, "does not read through the kernel",
+               _testing.CmaChooser(AUTO).next, kind, SIZE)
 
 
 def test_samples_that_are_not_times_are_ignored():
@@ -484,5 +545,5 @@ def test_samples_that_are_not_times_are_ignored():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, KERNEL, 10)
     for bad in (float("nan"), -1.0, float("inf")):
-        chooser.observe(False, SIZE, True, bad)
-        assert not chooser.prefers_kernel(False, SIZE), bad
+        chooser.observe(KIND, SIZE, True, bad)
+        assert not chooser.prefers_kernel(KIND, SIZE), bad

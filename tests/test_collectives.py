@@ -8,9 +8,9 @@ tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
 256-byte staging buffers, so small tensors take many rounds),
 ``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers) and
 ``streaming`` (ring forced, with 320-byte slots that every rank writes with
-streaming stores, transport/slot_stores.h) and ``cma`` (all_gather and
-broadcast read the peers' tensors through the kernel at every size:
-cross-memory attach, tests/test_cma.py).
+streaming stores, transport/slot_stores.h) and ``cma`` (all_gather,
+broadcast, all_reduce and reduce_scatter read the peers' tensors through the
+kernel at every size: cross-memory attach, tests/test_cma.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def _setup(ctx: RankContext) -> None:
     # Streaming stores forced: auto picks them only where they measure faster.
     ctx.groups["streaming"] = group("streaming", algo=pyddp.Algo.RING, slot_bytes=320,
                                     num_slots=2, slot_stores=pyddp.SlotStores.STREAMING)
-    # Every all_gather and broadcast of a byte or more reads the peers' plain
-    # tensors through the kernel (cross-memory attach).
+    # Every all_gather, broadcast, all_reduce and reduce_scatter of a byte or
+    # more reads the peers' plain tensors through the kernel (cross-memory
+    # attach).
     ctx.groups["cma"] = group("cma", cma=pyddp.CmaReads.ALWAYS, cma_min_bytes=1)
     dist.init_process_group("gloo", store=dist.FileStore(ctx.store_path("gloo"), ctx.world_size),
                             rank=ctx.rank, world_size=ctx.world_size)
@@ -94,7 +95,7 @@ def _all_reduce_cases(ctx: RankContext, group: str) -> None:
 def _reduce_scatter_cases(ctx: RankContext, group: str) -> None:
     pg, dev = ctx.groups[group], _device(ctx)
     n = ctx.world_size
-    counts = SMALL_COUNTS + ([LARGE // n] if group == "auto" else [])
+    counts = SMALL_COUNTS + ([LARGE // n] if group in ("auto", "cma") else [])
     for dtype, op in dtype_op_pairs():
         for count in counts:
             inputs = [make_input(r, count * n, dtype, op) for r in range(n)]
@@ -420,12 +421,12 @@ def _agrees_with_gloo(ctx: RankContext) -> None:
 # --- tests ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming", "cma"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     ranks.run(_reduce_scatter_cases, group)
 
@@ -477,12 +478,12 @@ def test_synchronous_collective_inside_a_future_callback(ranks):
     ranks.run(_collective_inside_callback)
 
 
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_half_types_accumulate_in_fp32_on_every_path(ranks, group):
     ranks.run(_half_types_accumulate_in_fp32, group)
 
 
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_results_are_bitwise_identical_across_ranks(ranks, group):
     digests = ranks.run(_random_floats, group)
     assert all(d == digests[0] for d in digests)

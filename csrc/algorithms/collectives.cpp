@@ -352,6 +352,7 @@ namespace {
 // `bytes` of rank k's tensor from `offset` on into dst, as the view reaches it.
 void readTensor(const Call& c, PeerMemory& mem, const RegisteredView& view, int k, void* dst,
                 size_t offset, size_t bytes) {
+  if (bytes == 0) return;
   const void* src = at(view.tensors[k], offset, 1);
   if (view.remote[k]) {
     mem.readProcess(k, dst, reinterpret_cast<uintptr_t>(src), bytes);
@@ -360,9 +361,30 @@ void readTensor(const Call& c, PeerMemory& mem, const RegisteredView& view, int 
   }
 }
 
-void requireMapped(const RegisteredView& view) {
-  for (bool remote : view.remote) {
-    PYDDP_CHECK(!remote, "a registered reduction reads mapped tensors only");
+// dst = reduce over ranks k, in rank order, of `count` elements of rank k's
+// tensor from element `first` on (the same bits on every rank that reduces
+// them). A mapped tensor is reduced where it lies; a remote one is first
+// copied through the kernel, piece by piece, into its slot of `scratch`
+// (peer k's: slot k, less one past my rank), so that a piece is still in
+// the cache when it is reduced.
+void reduceFromEvery(const Call& c, PeerMemory& mem, const RegisteredView& view,
+                     const kernels::ReduceSpec& spec, size_t first, void* dst, size_t count,
+                     void* scratch) {
+  const int n = c.worldSize, r = c.rank;
+  const size_t es = elementSize(spec.dtype);
+  const size_t pieceBytes = kernelPieceBytes(n);
+  const size_t pieceElems = view.throughKernel ? pieceBytes / es : std::max<size_t>(count, 1);
+  ConstRankPtrs src(n);
+  for (size_t p = 0; p < schedule::numPieces(count, pieceElems); ++p) {
+    const schedule::Range pc = schedule::piece(count, pieceElems, p);
+    for (int k = 0; k < n; ++k) {
+      src[k] = at(view.tensors[k], first + pc.begin, es);
+      if (!view.remote[k]) continue;
+      void* slot = at(scratch, (k < r ? k : k - 1) * pieceBytes, 1);
+      mem.readProcess(k, slot, reinterpret_cast<uintptr_t>(src[k]), pc.count * es);
+      src[k] = slot;
+    }
+    c.transport.local().reduceN(spec, at(dst, pc.begin, es), src.data(), n, pc.count);
   }
 }
 
@@ -403,40 +425,33 @@ void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& b
 }
 
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
-                         const kernels::ReduceSpec& spec, void* buf, size_t count) {
-  requireMapped(bufs);
-  LocalOps& ops = c.transport.local();
+                         const kernels::ReduceSpec& spec, void* buf, size_t count,
+                         void* scratch) {
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
   // Block b (balancedBlock) is reduced by rank b, in place in rank b's buf,
   // which no other rank reads until the next meeting; the other ranks read
   // only their own block of it until then.
   const Range mine = schedule::balancedBlock(count, n, r);
-  ConstRankPtrs src(n);
-  // reduce my block of every rank's buf in rank order (the same bits on every rank)
-  for (int k = 0; k < n; ++k) src[k] = at(bufs.tensors[k], mine.begin, es);
-  ops.reduceN(spec, at(buf, mine.begin, es), src.data(), n, mine.count);
+  // reduce my block of every rank's buf in rank order
+  reduceFromEvery(c, mem, bufs, spec, mine.begin, at(buf, mine.begin, es), mine.count, scratch);
   // every block is reduced
   mem.exchange();
   // each block from the rank that reduced it (my own is in place)
   for (int k = 1; k < n; ++k) {
     const int b = schedule::mod(r + k, n);
     const Range blk = schedule::balancedBlock(count, n, b);
-    ops.copy(at(buf, blk.begin, es), at(bufs.tensors[b], blk.begin, es), blk.count * es);
+    readTensor(c, mem, bufs, b, at(buf, blk.begin, es), blk.begin * es, blk.count * es);
   }
   // no peer reads my buf any more
   mem.exchange();
 }
 
 void registeredReduceScatter(const Call& c, PeerMemory& mem, const RegisteredView& in,
-                             const kernels::ReduceSpec& spec, void* out, size_t blockCount) {
-  requireMapped(in);
-  const int n = c.worldSize, r = c.rank;
-  const size_t es = elementSize(spec.dtype);
-  ConstRankPtrs src(n);
+                             const kernels::ReduceSpec& spec, void* out, size_t blockCount,
+                             void* scratch) {
   // reduce my block of every rank's input in rank order
-  for (int k = 0; k < n; ++k) src[k] = at(in.tensors[k], r * blockCount, es);
-  c.transport.local().reduceN(spec, out, src.data(), n, blockCount);
+  reduceFromEvery(c, mem, in, spec, c.rank * blockCount, out, blockCount, scratch);
   // no peer reads my input any more
   mem.exchange();
 }

@@ -6,6 +6,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -76,9 +77,33 @@ void barrier(const Call& c);
 // one copy. It meets its peers more often than a staged one-round form
 // (all-gather and broadcast once more: no rank leaves while a peer reads
 // its tensor; all-reduce twice, its blocks are reduced before they are
-// read), so it pays for larger messages only. All-gather and broadcast also
-// read a peer's plain tensor this way, through the kernel
-// (PeerMemory::readProcess: cross-memory attach), where the group allows it.
+// read), so it pays for larger messages only. The same algorithms read a
+// peer's plain tensor through the kernel (PeerMemory::readProcess:
+// cross-memory attach), where the group allows it; a reduction copies
+// each piece of a peer's block so into scratch, then reduces it.
+
+// Where a reduction copies what it reads through the kernel before it
+// reduces it: a piece of each peer's block at a time, all of them small
+// enough to be still in the cache (L2) when the reduction reads them, each
+// large enough that its system call is worth it. `python
+// benchmarks/side_by_side.py cma all_reduce` on the 2-core AMD EPYC VM (1
+// MiB of L2 per core), 2 ranks on near cores, per call: 1 MiB per rank, 64
+// KiB pieces 155 us, 256 KiB 125-132 us, 512 KiB 117-121 us (the slots
+// 127-145 us); 4 MiB, 64 KiB pieces 473-501 us, 256 and 512 KiB 417-433 us
+// in quiet rounds, the whole 2 MiB block as one piece 487-628 us.
+constexpr size_t kKernelScratchBytes = 512 * 1024;
+// The piece of each peer's block on `worldSize` ranks: kKernelScratchBytes
+// shared among the peers, in whole pages (so whole elements of any type),
+// a page at the least.
+inline size_t kernelPieceBytes(int worldSize) {
+  constexpr size_t kPage = 4096;
+  const size_t peers = worldSize > 1 ? static_cast<size_t>(worldSize - 1) : 1;
+  return std::max(kKernelScratchBytes / peers / kPage * kPage, kPage);
+}
+// The scratch a reduction through the kernel needs: a piece per peer.
+inline size_t kernelScratchBytes(int worldSize) {
+  return worldSize > 1 ? static_cast<size_t>(worldSize - 1) * kernelPieceBytes(worldSize) : 0;
+}
 
 // What a rank stages at the arrival of such a collective: where its
 // tensor lies. Read by peers of another build: the layout is pinned.
@@ -144,16 +169,19 @@ void registeredAllGather(const Call& c, PeerMemory& mem, const RegisteredView& i
 void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& bufs, void* buf,
                          size_t bytes, int root);
 // buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every
-// rank's registered buf (mapped: a view with no remote tensor): rank b
-// reduces block b of every buf into its own, then every rank copies each
-// block from the rank that reduced it.
+// rank's buf where it lies: rank b reduces block b of every buf into its
+// own, then every rank copies each block from the rank that reduced it.
+// `scratch` holds kernelScratchBytes(c.worldSize) where bufs.throughKernel.
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
-                         const kernels::ReduceSpec& spec, void* buf, size_t count);
-// ringReduceScatter's result, read from every rank's registered input (its
-// `n` blocks of `blockCount` elements, one after the other): rank r reduces
-// block r of every input, in rank order, into out.
+                         const kernels::ReduceSpec& spec, void* buf, size_t count,
+                         void* scratch);
+// ringReduceScatter's result, read from every rank's input where it lies
+// (its `n` blocks of `blockCount` elements, one after the other): rank r
+// reduces block r of every input, in rank order, into out. `scratch` as
+// registeredAllReduce's.
 void registeredReduceScatter(const Call& c, PeerMemory& mem, const RegisteredView& in,
-                             const kernels::ReduceSpec& spec, void* out, size_t blockCount);
+                             const kernels::ReduceSpec& spec, void* out, size_t blockCount,
+                             void* scratch);
 
 // Algorithms over point-to-point messages (MessageLink). Each is one round
 // of messages tagged for this collective alone, so they never meet a

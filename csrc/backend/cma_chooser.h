@@ -1,7 +1,8 @@
-// Whether an all-gather or broadcast reads peers' plain tensors through
-// the kernel (cross-memory attach: one process_vm_readv copy from the
-// owner's memory) or through the ring's slots (two copies, pipelined over
-// both ranks' cores), chosen by what each has just cost.
+// Whether an all-gather, broadcast, all-reduce or reduce-scatter reads
+// peers' plain tensors through the kernel (cross-memory attach: one
+// process_vm_readv copy from the owner's memory) or through the ring's
+// slots (two copies, pipelined over both ranks' cores), chosen by what
+// each has just cost.
 //
 // Neither wins everywhere, and on a virtual machine which one wins changes
 // while a job runs: the kernel copy moves 6-7.5 GB/s wherever the host runs
@@ -26,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/check.h"
 #include "common/floor_estimate.h"
 #include "common/types.h"
 
@@ -65,9 +67,12 @@ class CmaChooser {
 
   explicit CmaChooser(CmaReads mode) : mode_(mode) {}
 
-  // Whether the next collective of `kind` (AllGather or Broadcast) on
-  // `bytes` per rank reads through the kernel, and whether its time is
-  // wanted (observe()).
+  // The kinds of collective that may read through the kernel.
+  static constexpr bool chooses(CollectiveKind kind) { return kindIndex(kind) >= 0; }
+
+  // Whether the next collective of `kind` (one it chooses()) on `bytes` per
+  // rank reads through the kernel, and whether its time is wanted
+  // (observe()).
   struct Pick {
     bool kernel;
     bool timed;
@@ -130,14 +135,32 @@ class CmaChooser {
     return kernel * (s.kernel ? 1.0 : kKernelAdvantage) < slots;
   }
 
+  static constexpr int kKinds = 4;
+  static constexpr int kindIndex(CollectiveKind kind) {
+    switch (kind) {
+      case CollectiveKind::AllGather:
+        return 0;
+      case CollectiveKind::Broadcast:
+        return 1;
+      case CollectiveKind::AllReduce:
+        return 2;
+      case CollectiveKind::ReduceScatter:
+        return 3;
+      default:
+        return -1;
+    }
+  }
+
   // The estimates of `kind` at the power of two that `bytes` falls in.
   Size& size(CollectiveKind kind, size_t bytes) {
     const int log2 = bytes == 0 ? 0 : static_cast<int>(std::bit_width(bytes)) - 1;
-    return sizes_[kind == CollectiveKind::Broadcast ? 1 : 0][log2];
+    const int k = kindIndex(kind);
+    PYDDP_CHECK(k >= 0, toString(kind), " does not read through the kernel");
+    return sizes_[k][log2];
   }
 
   const CmaReads mode_;
-  Size sizes_[2][kSizes];
+  Size sizes_[kKinds][kSizes];
 };
 
 } // namespace pyddp

@@ -101,6 +101,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   if (userLink_) p2p_ = std::make_unique<P2pExecutor>(rank, *userLink_);
   registeredRefusal_ = whyNotReadRegistered();
   processRefusal_ = whyNotReadProcesses();
+  if (processRefusal_.empty()) kernelScratch_.resize(algorithms::kernelScratchBytes(size));
   startExecutor();
 }
 
@@ -225,8 +226,7 @@ std::string RingEngine::whyNotReadProcesses() const {
 
 bool RingEngine::readsThroughKernel(CollectiveKind kind, size_t bytes) const {
   return processRefusal_.empty() && options_.cma != CmaReads::Never &&
-      (kind == CollectiveKind::AllGather || kind == CollectiveKind::Broadcast) &&
-      bytes >= options_.cmaMinBytes;
+      CmaChooser::chooses(kind) && bytes >= options_.cmaMinBytes;
 }
 
 Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
@@ -325,7 +325,8 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
             call, data, count * elementSize(s.dtype), -1,
             [&](const algorithms::Call& c, PeerMemory& mem,
                 const algorithms::RegisteredView& view) {
-              algorithms::registeredAllReduce(c, mem, view, s, data, count);
+              algorithms::registeredAllReduce(c, mem, view, s, data, count,
+                                              kernelScratch_.data());
             },
             [&](const algorithms::Call& c) {
               switch (algo) {
@@ -530,7 +531,8 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
             call, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
             [&](const algorithms::Call& c, PeerMemory& mem,
                 const algorithms::RegisteredView& view) {
-              algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(), count);
+              algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(), count,
+                                                  kernelScratch_.data());
             },
             [&](const algorithms::Call& c) {
               if (algo == Algo::Direct) {

@@ -12,9 +12,11 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "algorithms/collectives.h"
 #include "backend/cma_chooser.h"
@@ -46,8 +48,9 @@ class RingEngine final : public Engine {
   // the ranks' options agree.
   const std::string& registeredRefusal() const { return registeredRefusal_; }
   // Why this engine never reads peers' plain tensors through the kernel
-  // (cross-memory attach; "" if it may, for all-gathers and broadcasts of
-  // at least options().cmaMinBytes per rank), agreed as registeredRefusal().
+  // (cross-memory attach; "" if it may, for the collectives CmaChooser
+  // chooses for, of at least options().cmaMinBytes per rank), agreed as
+  // registeredRefusal().
   const std::string& processRefusal() const { return processRefusal_; }
 
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
@@ -146,8 +149,8 @@ class RingEngine final : public Engine {
   // readsRegistered() takes, or through the kernel (readsThroughKernel);
   // else it runs `fallback`.
   Algo registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const;
-  // Whether a collective of `kind` on `bytes` per rank reads peers' plain
-  // tensors through the kernel (all-gather and broadcast: a single copy).
+  // Whether a collective of `kind` on `bytes` per rank may read peers'
+  // plain tensors through the kernel.
   bool readsThroughKernel(CollectiveKind kind, size_t bytes) const;
   // Set once connected: whyNotReadInPlace(), or every peer's registered
   // memory mapped.
@@ -188,6 +191,10 @@ class RingEngine final : public Engine {
   // Used by one collective at a time (the executor's, or a synchronous
   // caller's holding the engine's turn).
   CmaChooser cma_;
+  // Where a reduction copies the pieces it reads through the kernel
+  // (algorithms::kernelScratchBytes; empty where the group reads none),
+  // owned and used as cma_.
+  std::vector<std::byte> kernelScratch_;
 };
 
 } // namespace pyddp

@@ -38,11 +38,12 @@ struct RingOptions {
   // How this rank writes the pieces it copies into its ring slots
   // (transport/slot_stores.h). Each rank's own: ranks may differ.
   SlotStores slotStores;
-  // All-gathers and broadcasts of at least cmaMinBytes per rank may read
-  // each peer's plain (unregistered) tensor where it lies, through Linux
-  // cross-memory attach (process_vm_readv): one copy, made by the kernel,
-  // instead of one into a ring slot and one out (a broadcast's root writes
-  // part of each receiver's meanwhile). `cma` says on which calls
+  // All-gathers, broadcasts, all-reduces and reduce-scatters of at least
+  // cmaMinBytes per rank may read each peer's plain (unregistered) tensor
+  // where it lies, through Linux cross-memory attach (process_vm_readv):
+  // one copy, made by the kernel, instead of one into a ring slot and one
+  // out (a broadcast's root writes part of each receiver's meanwhile; a
+  // reduction reduces from the copy). `cma` says on which calls
   // (backend/cma_chooser.h). Every rank must use the same two values:
   // connecting checks it.
   CmaReads cma;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <map>
 
+#include "algorithms/collectives.h"
 #include "algorithms/schedule.h"
 #include "backend/cma_chooser.h"
 #include "backend/torch_types.h"
@@ -45,6 +46,14 @@ DataType dtypeOf(const at::Tensor& t) {
   return *d;
 }
 
+// The kind toString() names `name`.
+CollectiveKind kindNamed(const std::string& name) {
+  for (int k = 0; k <= static_cast<int>(CollectiveKind::Recv); ++k) {
+    if (name == toString(static_cast<CollectiveKind>(k))) return static_cast<CollectiveKind>(k);
+  }
+  PYDDP_CHECK_VALUE(false, "unknown collective '", name, "'");
+}
+
 } // namespace
 
 void bindTesting(py::module_& m) {
@@ -69,6 +78,9 @@ void bindTesting(py::module_& m) {
                                    std::chrono::milliseconds(beforeCopyMs));
   });
   t.def("root_written_bytes", &schedule::rootWrittenBytes);
+  t.def("kernel_piece_bytes", &algorithms::kernelPieceBytes);
+  t.def("kernel_scratch_bytes", &algorithms::kernelScratchBytes);
+  t.attr("KERNEL_SCRATCH_BYTES") = algorithms::kKernelScratchBytes;
   t.def("chain_position", &schedule::chainPosition);
   // The CPU kernels over contiguous tensors; partials are float32 for half
   // types and the element type otherwise.
@@ -165,21 +177,20 @@ void bindTesting(py::module_& m) {
   py::class_<CmaChooser>(t, "CmaChooser")
       .def(py::init<CmaReads>())
       .def("next",
-           [](CmaChooser& c, bool broadcast, size_t bytes) {
-             const auto pick =
-                 c.next(broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes);
+           [](CmaChooser& c, const std::string& kind, size_t bytes) {
+             const auto pick = c.next(kindNamed(kind), bytes);
              return std::make_pair(pick.kernel, pick.timed);
            })
       .def("observe",
-           [](CmaChooser& c, bool broadcast, size_t bytes, bool kernel, double ns) {
-             c.observe(broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes,
-                       kernel, ns);
+           [](CmaChooser& c, const std::string& kind, size_t bytes, bool kernel, double ns) {
+             c.observe(kindNamed(kind), bytes, kernel, ns);
            })
       .def("prefers_kernel",
-           [](CmaChooser& c, bool broadcast, size_t bytes) {
-             return c.prefersKernel(
-                 broadcast ? CollectiveKind::Broadcast : CollectiveKind::AllGather, bytes);
+           [](CmaChooser& c, const std::string& kind, size_t bytes) {
+             return c.prefersKernel(kindNamed(kind), bytes);
            })
+      .def_static("chooses",
+                  [](const std::string& kind) { return CmaChooser::chooses(kindNamed(kind)); })
       .def_readonly_static("EXPLORE_EVERY", &CmaChooser::kExploreEvery)
       .def_readonly_static("EXPLORE_RUN", &CmaChooser::kExploreRun)
       .def_readonly_static("KERNEL_ADVANTAGE", &CmaChooser::kKernelAdvantage);
@@ -433,12 +444,8 @@ void bindTesting(py::module_& m) {
                             const std::vector<RedOp>& ops, size_t pieceBytes, int root,
                             bool inPlace, int repeats, bool flush,
                             const std::vector<uint64_t>& seqs, int64_t timeoutMs) {
-    const std::map<std::string, CollectiveKind> kinds = {
-        {"all_reduce", CollectiveKind::AllReduce}, {"all_gather", CollectiveKind::AllGather},
-        {"reduce_scatter", CollectiveKind::ReduceScatter},
-        {"broadcast", CollectiveKind::Broadcast}, {"barrier", CollectiveKind::Barrier}};
-    PYDDP_CHECK_VALUE(kinds.count(kind), "unknown collective '", kind, "'");
-    const CollectiveKind k = kinds.at(kind);
+    const CollectiveKind k = kindNamed(kind);
+    PYDDP_CHECK_VALUE(k <= CollectiveKind::Barrier, "sendrecv_ring runs no ", kind);
     const size_t n = inputs.size();
     PYDDP_CHECK_VALUE(n >= 1 && ops.size() == n && (seqs.empty() || seqs.size() == n),
                       "sendrecv_ring: one input and one op (and seq) per rank");
