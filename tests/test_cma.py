@@ -260,21 +260,26 @@ def test_a_rank_whose_peer_cannot_be_read_makes_the_group_read_through_slots():
 # --- a peer killed before its reader read its tensor -----------------------------
 
 
-def _reader(ctx: RankContext, root_pid: int) -> tuple:
+def _collective(pg: pyddp.ProcessGroup, op: str, t: torch.Tensor, **kwargs):
+    """A broadcast from rank 1, or an all_reduce, of t."""
+    return pg.broadcast(t, 1, **kwargs) if op == "broadcast" else pg.all_reduce(t, **kwargs)
+
+
+def _reader(ctx: RankContext, peer_pid: int, op: str) -> tuple:
     pg = _group(ctx, "killed", cma=ALWAYS, cma_min_bytes=1)
     deadline = time.monotonic() + 30
-    while not process_exited(root_pid):
+    while not process_exited(peer_pid):
         assert time.monotonic() < deadline, "rank 1 did not die"
         time.sleep(0.01)
     before = _testing.process_reads()
-    said = raises(dist.DistBackendError, "exited", pg.broadcast, torch.zeros(COUNT), 1)
+    said = raises(dist.DistBackendError, "exited", _collective, pg, op, torch.zeros(COUNT))
     return said, _testing.process_reads() - before
 
 
-def _root_killed_in_its_broadcast(ctx: RankContext, root_pid: int) -> None:
+def _killed_in_its_collective(ctx: RankContext, peer_pid: int, op: str) -> None:
     pg = _group(ctx, "killed", cma=ALWAYS, cma_min_bytes=1)
-    pg.broadcast(torch.ones(COUNT), 1, async_op=True)
-    # The broadcast arrives (stages where its tensor lies) within
+    _collective(pg, op, torch.ones(COUNT), async_op=True)
+    # The collective arrives (stages where its tensor lies) within
     # milliseconds, then waits for rank 0, which arrives only once this rank
     # is dead: a second leaves ample room.
     time.sleep(1.0)
@@ -282,16 +287,19 @@ def _root_killed_in_its_broadcast(ctx: RankContext, root_pid: int) -> None:
 
 
 @needs_kernel_reads
-def test_a_root_killed_before_its_tensor_is_read_is_named_and_nothing_is_left():
+@pytest.mark.parametrize("op", ["broadcast", "all_reduce"])
+def test_a_rank_killed_before_its_tensor_is_read_is_named_and_nothing_is_left(op):
+    # The broadcast's root, or the peer whose block of the all_reduce's
+    # tensor rank 0 reduces from a copy
     pool = Ranks(2)
     try:
         pid = pool.pid(1)
-        (said, reads), died = pool.run_each([_reader, _root_killed_in_its_broadcast], pid,
+        (said, reads), died = pool.run_each([_reader, _killed_in_its_collective], pid, op,
                                             allow_dead=True, timeout=60)
     finally:
         pool.close()
     assert isinstance(died, Died) and died.exitcode == -signal.SIGKILL, died
-    assert f"rank 1 (pid {pid}) exited while rank 0 read its tensor in broadcast #" in said, said
+    assert f"rank 1 (pid {pid}) exited while rank 0 read its tensor in {op} #" in said, said
     assert reads == 0
     assert pyddp_segments() == []
 
