@@ -79,8 +79,9 @@ void barrier(const Call& c);
 // its tensor; all-reduce twice, its blocks are reduced before they are
 // read), so it pays for larger messages only. The same algorithms read a
 // peer's plain tensor through the kernel (PeerMemory::readProcess:
-// cross-memory attach), where the group allows it; a reduction copies
-// each piece of a peer's block so into scratch, then reduces it.
+// cross-memory attach), where the group allows it; a reduction copies a
+// peer's block that way into scratch, a piece at a time, and reduces from
+// the copy.
 
 // Where a reduction copies what it reads through the kernel before it
 // reduces it: a piece of each peer's block at a time, all of them small

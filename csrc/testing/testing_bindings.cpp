@@ -9,7 +9,6 @@
 #include <torch/python.h>
 
 #include <algorithm>
-#include <map>
 
 #include "algorithms/collectives.h"
 #include "algorithms/schedule.h"
