@@ -184,7 +184,7 @@ def test_groups_that_do_not_read_through_the_kernel_run_as_before(ranks, group):
 
 def _auto_picks(ctx: RankContext) -> list:
     """Kernel reads of each of the auto group's first all_gathers of a size
-    (its default cma_min_bytes, 256 KiB per rank)."""
+    (its default cma_min_bytes, 64 KiB per rank)."""
     count = ctx.groups["auto"].options.cma_min_bytes // 4
     return [_reads(ctx, count, group="auto")[0] for _ in range(2 * RUN)]
 

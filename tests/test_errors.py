@@ -771,7 +771,7 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("PYDDP_SLOT_STORES")
     assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
     options = pyddp.RingOptions()
-    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.AUTO, 256 * 1024)
+    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.AUTO, 64 * 1024)
     monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", "1048576")
     monkeypatch.setenv("PYDDP_CMA", "never")
     options = pyddp.RingOptions()

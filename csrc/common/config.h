@@ -97,15 +97,16 @@ constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
 bool readsRegistered(CollectiveKind kind, size_t bytes);
 // RingOptions::cmaMinBytes by default. `python benchmarks/side_by_side.py
-// cma OP BYTES 6` on the 2-core AMD EPYC VM (benchmarks/README.md, "Single
+// cma OP BYTES 4` on the 2-core AMD EPYC VM (benchmarks/README.md, "Single
 // copy through the kernel"), 2 ranks, rounds alternating between the
-// slots, the kernel copy and auto: at 64 KiB per rank the kernel copy lost
-// 1.3-1.8x in some batches (all_gather far, broadcast near) and auto's
-// broadcast cost up to 1.4x the slots' time; from 256 KiB to 16 MiB auto
-// was within 1.1x of the faster of the two in 35 of 48 rounds (within
-// 1.2x in 44), and at or below the slots' own time in 25 of them; the
-// chooser that explores in runs, within 1.1x in 113 of 144.
-constexpr size_t kDefaultCmaMinBytes = 256 * 1024;
+// slots, the kernel copy and auto: from 256 KiB to 16 MiB auto was within
+// 1.1x of the faster of the two in 113 of 144 rounds. Below, since a
+// broadcast's root writes half of it: at 64 and 128 KiB per rank the
+// kernel copy took 0.58-0.97x the slots' time for all_gather and
+// broadcast, on near cores and far ones alike, and auto with this minimum
+// 0.57-1.0x; at 16 and 32 KiB the kernel copy took 0.93-1.54x (all_gather
+// and broadcast of 16 KiB: 1.4-1.5x).
+constexpr size_t kDefaultCmaMinBytes = 64 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Four 64 MiB messages, or any number of small ones, ahead of the receives
 // that want them.
