@@ -102,10 +102,11 @@ bool readsRegistered(CollectiveKind kind, size_t bytes);
 // slots, the kernel copy and auto: from 256 KiB to 16 MiB auto was within
 // 1.1x of the faster of the two in 113 of 144 rounds. Below, since a
 // broadcast's root writes half of it: at 64 and 128 KiB per rank the
-// kernel copy took 0.58-0.97x the slots' time for all_gather and
-// broadcast, on near cores and far ones alike, and auto with this minimum
-// 0.57-1.0x; at 16 and 32 KiB the kernel copy took 0.93-1.54x (all_gather
-// and broadcast of 16 KiB: 1.4-1.5x).
+// kernel copy took 0.55-0.96x the slots' time in each round, for
+// all_gather and broadcast, on near cores and far ones alike, and auto with
+// this minimum 0.57-1.0x; at 16 and 32 KiB the kernel copy took
+// 0.91-1.54x in the rounds after the first (all_gather and broadcast of 16
+// KiB 1.4-1.5x, broadcast of 32 KiB 1.1-1.3x).
 constexpr size_t kDefaultCmaMinBytes = 64 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Four 64 MiB messages, or any number of small ones, ahead of the receives
