@@ -372,7 +372,7 @@ void reduceFromEvery(const Call& c, PeerMemory& mem, const RegisteredView& view,
                      void* scratch) {
   const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(spec.dtype);
-  const size_t pieceBytes = kernelPieceBytes(n);
+  const size_t pieceBytes = schedule::kernelPieceBytes(n);
   const size_t pieceElems = view.throughKernel ? pieceBytes / es : std::max<size_t>(count, 1);
   ConstRankPtrs src(n);
   for (size_t p = 0; p < schedule::numPieces(count, pieceElems); ++p) {

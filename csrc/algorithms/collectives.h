@@ -6,7 +6,6 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -83,29 +82,6 @@ void barrier(const Call& c);
 // peer's block that way into scratch, a piece at a time, and reduces from
 // the copy.
 
-// Where a reduction copies what it reads through the kernel before it
-// reduces it: a piece of each peer's block at a time, all of them small
-// enough to be still in the cache (L2) when the reduction reads them, each
-// large enough that its system call is worth it. `python
-// benchmarks/side_by_side.py cma all_reduce` on the 2-core AMD EPYC VM (1
-// MiB of L2 per core), 2 ranks on near cores, per call: 1 MiB per rank, 64
-// KiB pieces 155 us, 256 KiB 125-132 us, 512 KiB 117-121 us (the slots
-// 127-145 us); 4 MiB, 64 KiB pieces 473-501 us, 256 and 512 KiB 417-433 us
-// in quiet rounds, the whole 2 MiB block as one piece 487-628 us.
-constexpr size_t kKernelScratchBytes = 512 * 1024;
-// The piece of each peer's block on `worldSize` ranks: kKernelScratchBytes
-// shared among the peers, in whole pages (so whole elements of any type),
-// a page at the least.
-inline size_t kernelPieceBytes(int worldSize) {
-  constexpr size_t kPage = 4096;
-  const size_t peers = worldSize > 1 ? static_cast<size_t>(worldSize - 1) : 1;
-  return std::max(kKernelScratchBytes / peers / kPage * kPage, kPage);
-}
-// The scratch a reduction through the kernel needs: a piece per peer.
-inline size_t kernelScratchBytes(int worldSize) {
-  return worldSize > 1 ? static_cast<size_t>(worldSize - 1) * kernelPieceBytes(worldSize) : 0;
-}
-
 // What a rank stages at the arrival of such a collective: where its
 // tensor lies. Read by peers of another build: the layout is pinned.
 struct alignas(8) TensorWhere {
@@ -172,7 +148,8 @@ void registeredBroadcast(const Call& c, PeerMemory& mem, const RegisteredView& b
 // buf = reduce(buf over ranks), in place, as twoShotAllReduce but on every
 // rank's buf where it lies: rank b reduces block b of every buf into its
 // own, then every rank copies each block from the rank that reduced it.
-// `scratch` holds kernelScratchBytes(c.worldSize) where bufs.throughKernel.
+// `scratch` holds schedule::kernelScratchBytes(c.worldSize) where
+// bufs.throughKernel.
 void registeredAllReduce(const Call& c, PeerMemory& mem, const RegisteredView& bufs,
                          const kernels::ReduceSpec& spec, void* buf, size_t count,
                          void* scratch);

@@ -81,11 +81,35 @@ PYDDP_HD inline int chainPosition(int rank, int root, int n) {
 // the tail of rootWrittenBytes() the root writes into it meanwhile. The
 // root writes n-1 tails while each receiver reads one head, so a tail of
 // 1/n of the buffer keeps both busy for the same time. It is rounded down to
-// a multiple of kSplitAlign (a page): a tail of less than a page is not
-// worth the root's system call. 0: the receivers read it all.
-constexpr size_t kSplitAlign = 4096;
+// a multiple of kPageBytes: a tail of less than a page is not worth the
+// root's system call. 0: the receivers read it all.
+constexpr size_t kPageBytes = 4096;
 PYDDP_HD inline size_t rootWrittenBytes(size_t bytes, int n) {
-  return n < 2 ? 0 : bytes / static_cast<size_t>(n) / kSplitAlign * kSplitAlign;
+  return n < 2 ? 0 : bytes / static_cast<size_t>(n) / kPageBytes * kPageBytes;
+}
+
+// A reduction read through the kernel (collectives.h, registeredAllReduce)
+// copies a piece of each peer's block at a time into scratch before it
+// reduces it: all the pieces small enough to be still in the cache (L2)
+// when the reduction reads them, each large enough that its system call is
+// worth it. `python benchmarks/side_by_side.py cma all_reduce` on the
+// 2-core AMD EPYC VM (1 MiB of L2 per core), 2 ranks on near cores, per
+// call: 1 MiB per rank, 64 KiB pieces 155 us, 256 KiB 125-132 us, 512 KiB
+// 117-121 us (the slots 127-145 us); 4 MiB, 64 KiB pieces 473-501 us, 256
+// and 512 KiB 417-433 us in quiet rounds, the whole 2 MiB block as one
+// piece 487-628 us.
+constexpr size_t kKernelScratchBytes = 512 * 1024;
+// The piece of each peer's block on `worldSize` ranks: kKernelScratchBytes
+// shared among the peers, in whole pages (so whole elements of any type),
+// a page at the least.
+PYDDP_HD inline size_t kernelPieceBytes(int worldSize) {
+  const size_t peers = worldSize > 1 ? static_cast<size_t>(worldSize - 1) : 1;
+  const size_t piece = kKernelScratchBytes / peers / kPageBytes * kPageBytes;
+  return piece > kPageBytes ? piece : kPageBytes;
+}
+// The scratch such a reduction needs: a piece per peer.
+PYDDP_HD inline size_t kernelScratchBytes(int worldSize) {
+  return worldSize > 1 ? static_cast<size_t>(worldSize - 1) * kernelPieceBytes(worldSize) : 0;
 }
 
 } // namespace schedule

@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "algorithms/schedule.h"
 #include "backend/bootstrap.h"
 #include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
@@ -101,7 +102,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   if (userLink_) p2p_ = std::make_unique<P2pExecutor>(rank, *userLink_);
   registeredRefusal_ = whyNotReadRegistered();
   processRefusal_ = whyNotReadProcesses();
-  if (processRefusal_.empty()) kernelScratch_.resize(algorithms::kernelScratchBytes(size));
+  if (processRefusal_.empty()) kernelScratch_.resize(schedule::kernelScratchBytes(size));
   startExecutor();
 }
 

@@ -192,7 +192,7 @@ class RingEngine final : public Engine {
   // caller's holding the engine's turn).
   CmaChooser cma_;
   // Where a reduction copies the pieces it reads through the kernel
-  // (algorithms::kernelScratchBytes; empty where the group reads none),
+  // (schedule::kernelScratchBytes; empty where the group reads none),
   // owned and used as cma_.
   std::vector<std::byte> kernelScratch_;
 };

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 
-#include "algorithms/collectives.h"
 #include "algorithms/schedule.h"
 #include "backend/cma_chooser.h"
 #include "backend/torch_types.h"
@@ -77,9 +76,9 @@ void bindTesting(py::module_& m) {
                                    std::chrono::milliseconds(beforeCopyMs));
   });
   t.def("root_written_bytes", &schedule::rootWrittenBytes);
-  t.def("kernel_piece_bytes", &algorithms::kernelPieceBytes);
-  t.def("kernel_scratch_bytes", &algorithms::kernelScratchBytes);
-  t.attr("KERNEL_SCRATCH_BYTES") = algorithms::kKernelScratchBytes;
+  t.def("kernel_piece_bytes", &schedule::kernelPieceBytes);
+  t.def("kernel_scratch_bytes", &schedule::kernelScratchBytes);
+  t.attr("KERNEL_SCRATCH_BYTES") = schedule::kKernelScratchBytes;
   t.def("chain_position", &schedule::chainPosition);
   // The CPU kernels over contiguous tensors; partials are float32 for half
   // types and the element type otherwise.
