@@ -27,7 +27,7 @@ using ConstRankPtrs = c10::SmallVector<const void*, kInlineRanks>;
 struct Call {
   Transport& transport;
   CollectiveDesc desc;
-  Clock::time_point deadline;
+  Deadline deadline;
   int rank;
   int worldSize;
   // Every rank has entered the collective already (arriveRegistered): the

@@ -290,7 +290,7 @@ std::exception_ptr CpuExecutor::runCollective(CollectiveDesc& desc,
                      "process group unusable (", brokenBy_, "); destroy it and create a new one");
     try {
       const auto bound = timeout.count() > 0 ? timeout : std::chrono::milliseconds(timeoutMs_);
-      transfer(desc, Clock::now() + bound);
+      transfer(desc, Deadline::after(bound));
       if (queue_->hooks.flush) queue_->hooks.flush();
     } catch (const std::exception& e) {
       brokenBy_ = messageOf(e);

@@ -41,10 +41,10 @@ bool DeviceExecutor::drain(Clock::time_point deadline) const {
 }
 
 void DeviceExecutor::retire(
-    const std::function<void(const CollectiveDesc& desc, Clock::time_point deadline)>& meet) {
+    const std::function<void(const CollectiveDesc& desc, Deadline deadline)>& meet) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!monitor_ || !monitor_->failure().empty()) return;  // the abort path ends it
-  const auto deadline = Clock::now() + timeout_;
+  const Deadline deadline = Deadline::after(timeout_);
   if (!drain(deadline)) return;
   CollectiveDesc desc;  // a barrier
   desc.kind = CollectiveKind::Barrier;
@@ -88,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> DeviceExecutor::submit(Collective c, const CallOp
       for (const auto& t : c.outputs) scope.use(t);
       for (const auto& t : c.uses) scope.use(t);
       try {
-        c.transfer(c.desc, Clock::now() + (c.timeout.count() > 0 ? c.timeout : timeout_));
+        c.transfer(c.desc, Deadline::after(c.timeout.count() > 0 ? c.timeout : timeout_));
         if (transport) transport->flush();
         c.finish();
       } catch (const std::exception& e) {

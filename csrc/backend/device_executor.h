@@ -62,7 +62,7 @@ class DeviceExecutor final : public Executor {
   // failed, lets queued collectives finish (bounded by the timeout), then
   // calls meet(seq, deadline) with the sequence number of one more
   // collective, every rank alike, while no other collective can start.
-  void retire(const std::function<void(const CollectiveDesc& desc, Clock::time_point deadline)>&
+  void retire(const std::function<void(const CollectiveDesc& desc, Deadline deadline)>&
                   meet);
 
  private:

@@ -21,6 +21,7 @@
 #include <functional>
 #include <vector>
 
+#include "common/deadline.h"
 #include "common/descriptor.h"
 
 namespace pyddp {
@@ -33,7 +34,7 @@ struct Collective {
   std::vector<at::Tensor> uses;
   // Moves the bytes, inside the transport: a failure leaves this rank out
   // of step with its peers, and the engine refuses later collectives.
-  std::function<void(const CollectiveDesc& desc, Clock::time_point deadline)> transfer;
+  std::function<void(const CollectiveDesc& desc, Deadline deadline)> transfer;
   // Local work after the transfer (copying results back into the tensors).
   std::function<void()> finish;
   // wait() blocks the host until done (a barrier), also on a device.
@@ -60,7 +61,7 @@ struct CallOptions {
 class Executor {
  public:
   using TransferRef =
-      c10::function_ref<void(const CollectiveDesc& desc, Clock::time_point deadline)>;
+      c10::function_ref<void(const CollectiveDesc& desc, Deadline deadline)>;
   using FinishRef = c10::function_ref<void()>;
 
   virtual ~Executor() = default;

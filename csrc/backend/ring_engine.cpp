@@ -140,7 +140,7 @@ void RingEngine::shutdown() {
     // complete (as a destroy after dist.all_reduce(t) expects), then every
     // rank meets every other before the memory is freed. On failure the
     // abort that follows ends what is left.
-    deviceExec_->retire([this](const CollectiveDesc& desc, Clock::time_point deadline) {
+    deviceExec_->retire([this](const CollectiveDesc& desc, Deadline deadline) {
       try {
         transport_->enter(desc, deadline);
       } catch (const std::exception&) {
@@ -162,14 +162,14 @@ template <typename Transfer, typename Finish>
 WorkPtr RingEngine::submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
                            c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
                            const CallOptions& call) {
-  const auto borrowed = [&](const CollectiveDesc& d, Clock::time_point deadline) {
+  const auto borrowed = [&](const CollectiveDesc& d, Deadline deadline) {
     transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
   };
   if (executor_->runNow(desc, call, borrowed, finish)) return {};
   return executor_->submit(
       Collective{desc, outputs.vec(), uses.vec(),
                  [this, transfer = std::forward<Transfer>(transfer)](const CollectiveDesc& d,
-                                                                     Clock::time_point deadline) {
+                                                                     Deadline deadline) {
                    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
                  },
                  std::forward<Finish>(finish), desc.kind == CollectiveKind::Barrier,

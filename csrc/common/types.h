@@ -53,9 +53,10 @@ enum class Algo : int32_t { Auto = 0, Ring = 1, Direct = 2, TwoShot = 3, Registe
 // (transport/slot_stores.h): chosen by measurement (Auto), or forced.
 enum class SlotStores : int32_t { Auto = 0, Cached = 1, Streaming = 2 };
 
-// Whether all-gathers and broadcasts read peers' plain CPU tensors through
-// the kernel (cross-memory attach, backend/cma_chooser.h): on the calls a
-// measurement picks (Auto), on every call, or never.
+// Whether all-gathers, broadcasts, all-reduces and reduce-scatters read
+// peers' plain CPU tensors through the kernel (cross-memory attach,
+// backend/cma_chooser.h): on the calls a measurement picks (Auto), on every
+// call, or never.
 enum class CmaReads : int32_t { Auto = 0, Always = 1, Never = 2 };
 
 enum class CollectiveKind : int32_t {

@@ -173,7 +173,7 @@ class SimTransport final : public Transport, private LocalOps {
   std::string whyNotConnect(int, const std::string&) const override { return ""; }
   void connect(const std::vector<std::string>&) override {}
   void connected() override {}
-  void enter(const CollectiveDesc& desc, Clock::time_point) override {
+  void enter(const CollectiveDesc& desc, Deadline) override {
     const std::string why = mismatch(desc, net_.allReduceMax(rank_, encodeWords(desc)), rank_);
     PYDDP_CHECK_COMM(why.empty(), why);
   }
@@ -203,7 +203,7 @@ class SimTransport final : public Transport, private LocalOps {
 
 void runRank(SimTransport& t, const CollectiveDesc& desc, const kernels::ReduceSpec& spec,
              const void* in, void* out, int rank, int n, std::chrono::milliseconds timeout) {
-  const algorithms::Call call{t, desc, Clock::now() + timeout, rank, n};
+  const algorithms::Call call{t, desc, Deadline::after(timeout), rank, n};
   const size_t count = desc.count;
   const size_t es = elementSize(desc.dtype);
   switch (desc.kind) {

@@ -256,7 +256,7 @@ std::string CudaIpcTransport::asyncError() const {
   return dead.empty() ? "" : "rank " + std::to_string(rank_) + ": cuda_ipc: " + dead;
 }
 
-void CudaIpcTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
+void CudaIpcTransport::enter(const CollectiveDesc& desc, Deadline deadline) {
   const std::string failed = readError(hostWords_, rank_, timeoutNs_);
   PYDDP_CHECK_COMM(failed.empty(), failed);
   control_->enter(desc, deadline);
@@ -432,7 +432,7 @@ void CudaIpcTransport::exchange() {
   waitFor(w);
 }
 
-void CudaIpcTransport::enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) {
+void CudaIpcTransport::enterStaged(const CollectiveDesc& desc, Deadline deadline) {
   enter(desc, deadline);
   exchange();
 }

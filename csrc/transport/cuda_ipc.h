@@ -53,7 +53,7 @@ class CudaIpcTransport final : public Transport,
   void connect(const std::vector<std::string>& blobs) override;
   void connected() override;
   // Also fails when an earlier collective's device wait gave up.
-  void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  void enter(const CollectiveDesc& desc, Deadline deadline) override;
   RingLink& ring() override { return *this; }
   LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
@@ -88,7 +88,7 @@ class CudaIpcTransport final : public Transport,
   void exchange() override;
   // Two meetings: the host arrives, while the staging is the stream's and
   // may not have run yet.
-  void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  void enterStaged(const CollectiveDesc& desc, Deadline deadline) override;
   const void* peerBuffer(int rank) const override;
 
   // The first failure of a device wait, as a message; "" while none. The

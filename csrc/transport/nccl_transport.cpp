@@ -150,8 +150,8 @@ void NcclTransport::checkDescriptors() {
   }
 }
 
-void NcclTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
-  deadline_ = deadline;
+void NcclTransport::enter(const CollectiveDesc& desc, Deadline deadline) {
+  deadline_ = deadline.at;
   PYDDP_CHECK(comm_ != nullptr && ring_ != nullptr, "rank ", rank_,
               ": the NCCL transport is not connected");
   PYDDP_CHECK(!ring_->sendPending(), "rank ", rank_, ": ", toString(desc.kind), " #", desc.seq,
@@ -163,7 +163,7 @@ void NcclTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline
     const cudaEvent_t oldest = checkEvents_[checksRead_ % kChecksInFlight];
     cudaError_t state;
     while ((state = cudaEventQuery(oldest)) == cudaErrorNotReady) {
-      PYDDP_CHECK_COMM(Clock::now() < deadline, "rank ", rank_, ": ", toString(desc.kind),
+      PYDDP_CHECK_COMM(Clock::now() < deadline.at, "rank ", rank_, ": ", toString(desc.kind),
                        " #", desc.seq, " timed out waiting for the GPU to reach collective #",
                        checkDescs_[checksRead_ % kChecksInFlight].seq);
       std::this_thread::sleep_for(kPollInterval);

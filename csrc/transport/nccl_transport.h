@@ -63,7 +63,7 @@ class NcclTransport final : public Transport, private LocalOps, private sendrecv
   std::string whyNotConnect(int peer, const std::string& blob) const override;
   void connect(const std::vector<std::string>& blobs) override;
   void connected() override {}
-  void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  void enter(const CollectiveDesc& desc, Deadline deadline) override;
   RingLink& ring() override;
   LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return nullptr; }

@@ -555,13 +555,10 @@ void ShmTransport::abort() {
   if (collectiveMessages_) collectiveMessages_->abort(why);
 }
 
-void ShmTransport::enter(const CollectiveDesc& desc, Clock::time_point deadline) {
+void ShmTransport::enter(const CollectiveDesc& desc, Deadline deadline) {
   current_ = desc;
-  deadline_ = deadline;
-  // The deadline was set microseconds ago: round to the timeout it came from.
-  timeoutMs_ = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   deadline - Clock::now() + std::chrono::microseconds(500))
-                   .count();
+  deadline_ = deadline.at;
+  timeoutMs_ = deadline.timeout.count();
   const int slot = static_cast<int>(desc.seq % kDescriptorRing);
   SegmentHeader& own = *segments_[rank_].header;
   own.desc[slot].desc = desc;
@@ -705,7 +702,7 @@ void ShmTransport::exchange() {
   }
 }
 
-void ShmTransport::enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) {
+void ShmTransport::enterStaged(const CollectiveDesc& desc, Deadline deadline) {
   ++rounds_;
   enter(desc, deadline);
   // The peer's failed line is written only when it gives up: a cache hit.

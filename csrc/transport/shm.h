@@ -208,7 +208,7 @@ class ShmTransport final : public Transport,
   std::string whyNotConnect(int peer, const std::string& blob) const override;
   void connect(const std::vector<std::string>& blobs) override;
   void connected() override;
-  void enter(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  void enter(const CollectiveDesc& desc, Deadline deadline) override;
   RingLink& ring() override { return *this; }
   LocalOps& local() override { return *this; }
   PeerMemory* peerMemory() override { return this; }
@@ -247,7 +247,7 @@ class ShmTransport final : public Transport,
   size_t capacityBytes() const override { return directBytes_; }
   void* stagingBuffer() override;
   void exchange() override;
-  void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) override;
+  void enterStaged(const CollectiveDesc& desc, Deadline deadline) override;
   const void* peerBuffer(int rank) const override;
   // Agreed while connecting: "" when every rank mapped a page of registered
   // memory of every peer (a probe each rank makes in setup()).

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/deadline.h"
 #include "common/descriptor.h"
 #include "kernels/cpu.h"
 #include "transport/registered.h"
@@ -103,7 +104,7 @@ class PeerMemory {
   // returns once every rank has published the same descriptor and its data.
   // Fails, as enter() does, on a mismatch, and on a peer that gave up on the
   // collective after it staged.
-  virtual void enterStaged(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
+  virtual void enterStaged(const CollectiveDesc& desc, Deadline deadline) = 0;
   virtual const void* peerBuffer(int rank) const = 0;
   // Registered memory (transport/registered.h), for CPU tensors: why not
   // every rank can map every peer's ("" on every rank or on none), and rank
@@ -252,7 +253,7 @@ class Transport {
   // rank has entered the same collective (deadline bounds the wait) and
   // check all descriptors agree. Every later wait of the collective is
   // bounded by the same deadline.
-  virtual void enter(const CollectiveDesc& desc, Clock::time_point deadline) = 0;
+  virtual void enter(const CollectiveDesc& desc, Deadline deadline) = 0;
 
   virtual RingLink& ring() = 0;
   virtual LocalOps& local() = 0;
