@@ -5,7 +5,8 @@ Each world size starts its ranks once (module fixture) with six groups:
 large ones ring),
 ``ring`` (ring forced, 256-byte slots and the minimum 2 slots, so small
 tensors take many pieces), ``direct`` (one-shot all-reduce forced, with
-256-byte staging buffers, so small tensors take many rounds),
+256-byte staging buffers, so small tensors take many rounds, staged with
+streaming stores),
 ``two_shot`` (two-shot all-reduce forced, with 320-byte staging buffers) and
 ``streaming`` (ring forced, with 320-byte slots that every rank writes with
 streaming stores, transport/slot_stores.h) and ``cma`` (all_gather,
@@ -43,8 +44,10 @@ def _setup(ctx: RankContext) -> None:
 
     ctx.groups["auto"] = group("auto", backend="auto")
     ctx.groups["ring"] = group("ring", algo=pyddp.Algo.RING, slot_bytes=256, num_slots=2)
-    # 256-byte staging buffers: direct all-reduces of more take several rounds.
-    ctx.groups["direct"] = group("direct", algo=pyddp.Algo.DIRECT, direct_max_bytes=256)
+    # 256-byte staging buffers: direct all-reduces of more take several
+    # rounds. Streaming stores forced, as for the slots of "streaming" below.
+    ctx.groups["direct"] = group("direct", algo=pyddp.Algo.DIRECT, direct_max_bytes=256,
+                                 slot_stores=pyddp.SlotStores.STREAMING)
     # Two-shot forced with 320-byte staging buffers: several rounds, and
     # blocks of unequal sizes within a round.
     ctx.groups["two_shot"] = group("two_shot", algo=pyddp.Algo.TWO_SHOT, direct_max_bytes=0,

@@ -1,4 +1,5 @@
-"""How a rank writes its ring slots (csrc/transport/slot_stores.h), without processes.
+"""How a rank writes its ring slots and staging buffers (csrc/transport/slot_stores.h),
+without processes.
 
 The chooser is fed times from a model of the two cases it tells apart (near
 cores: cached stores cheaper for the writer; far cores: streaming stores
@@ -6,7 +7,8 @@ several times cheaper) and must pick what the model says, keep measuring the
 kind it does not use, and follow a change of case. The streaming copy is
 checked byte for byte against the source at every alignment and length that
 its head, body and tail take. The collectives with streaming slot stores run
-in tests/test_collectives.py (group ``streaming``).
+in tests/test_collectives.py (group ``streaming``), and with streaming staging
+stores (group ``direct``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ PIECE = 64 * 1024
 # streaming; far cores 3.7 GB/s cached, 17 GB/s streaming.
 NEAR = {False: 1 / 23, True: 1 / 12}
 FAR = {False: 1 / 3.7, True: 1 / 17}
+# The same for 4 KiB staged by a direct all_reduce of 2 ranks (the ends of the
+# ranges in slot_stores.h, kStagedStreamingAdvantage): on near cores the
+# writer gains up to 4.7x from streaming stores, which still make the whole
+# call slower; on far cores 7.5x or more.
+STAGED = 4096
+NEAR_STAGED = {False: 0.103, True: 0.022}
+FAR_STAGED = {False: 0.29, True: 0.039}
 
 
 def _write(chooser, cost, bytes_=PIECE, local=True):
@@ -93,14 +102,32 @@ def test_picks_the_preferred_kind_samples_it_and_explores_the_other(case, prefer
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
-def test_streaming_must_be_clearly_faster_for_the_writer():
+@pytest.mark.parametrize("staging", [False, True], ids=["slots", "staging"])
+def test_streaming_must_be_clearly_faster_for_the_writer(staging):
     # The reader pays for streaming stores (it reads from memory), so the
-    # writer's gain must exceed STREAMING_ADVANTAGE.
-    advantage = t.SlotStoreChooser.STREAMING_ADVANTAGE
+    # writer's gain must exceed STREAMING_ADVANTAGE (STAGED_STREAMING_ADVANTAGE
+    # for the chooser of the staging buffers).
+    advantage = (t.SlotStoreChooser.STAGED_STREAMING_ADVANTAGE if staging
+                 else t.SlotStoreChooser.STREAMING_ADVANTAGE)
     for factor, prefers in ((advantage * 0.9, False), (advantage * 1.1, True)):
-        chooser = Chooser(pyddp.SlotStores.AUTO)
+        chooser = (Chooser(pyddp.SlotStores.AUTO, advantage) if staging
+                   else Chooser(pyddp.SlotStores.AUTO))
         _warm(chooser, {False: factor * 0.1, True: 0.1})
         assert chooser.prefers_streaming() == prefers, factor
+
+
+@pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
+def test_staging_tells_near_from_far_where_the_slots_ratio_would_not():
+    staged = t.SlotStoreChooser.STAGED_STREAMING_ADVANTAGE
+    for case, prefers in ((NEAR_STAGED, False), (FAR_STAGED, True)):
+        chooser = Chooser(pyddp.SlotStores.AUTO, staged)
+        for _ in range(t.SlotStoreChooser.WARMUP_WRITES + 2 + 8 * t.SlotStoreChooser.EXPLORE_EVERY):
+            _write(chooser, case, STAGED)
+        assert chooser.prefers_streaming() == prefers
+    # The ring's ratio would stream on near cores too, where that is slower.
+    slots = Chooser(pyddp.SlotStores.AUTO)
+    _warm(slots, NEAR_STAGED)
+    assert slots.prefers_streaming()
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")

@@ -123,11 +123,14 @@ void directAllReduce(const Call& c, PeerMemory& mem,
   for (size_t begin = 0; begin < count; begin += chunkElems) {
     const size_t n = std::min(chunkElems, count - begin);
     // stage my share of the chunk where every rank can read it
-    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    ops.stage(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     rounds.exchange();
-    // reduce all shares in rank order: the same bits on every rank
-    for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
+    // reduce all shares in rank order: the same bits on every rank (mine
+    // from my input, which a streamed staging copy left out of my cache)
+    for (int k = 0; k < c.worldSize; ++k) {
+      src[k] = k == c.rank ? at(in, begin, es) : mem.peerBuffer(k);
+    }
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
   }
 }
@@ -148,11 +151,13 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
     const size_t len = std::min(chunkElems, count - begin);
     const Range mine = schedule::balancedBlock(len, n, r);
     // round 1: stage my share of the chunk where every rank can read it
-    ops.copy(mem.stagingBuffer(), at(in, begin, es), len * es);
+    ops.stage(mem.stagingBuffer(), at(in, begin, es), len * es);
     rounds.exchange();
     // reduce my block of every rank's share in rank order, into the buffer
     // of round 2 (the same bits on every rank)
-    for (int k = 0; k < n; ++k) src[k] = at(mem.peerBuffer(k), mine.begin, es);
+    for (int k = 0; k < n; ++k) {
+      src[k] = k == r ? at(in, begin + mine.begin, es) : at(mem.peerBuffer(k), mine.begin, es);
+    }
     ops.reduceN(spec, at(mem.stagingBuffer(), mine.begin, es), src.data(), n, mine.count);
     // round 2: every block is reduced; each rank copies all of them out
     rounds.exchange();
@@ -205,7 +210,7 @@ void directAllGather(const Call& c, PeerMemory& mem, DataType dtype, const void*
   for (size_t begin = 0; begin < blockCount; begin += chunkElems) {
     const size_t n = std::min(chunkElems, blockCount - begin);
     // stage my block's chunk where every rank can read it
-    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    ops.stage(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     rounds.exchange();
     // every rank's chunk into its block, mine from where I staged it: my
@@ -268,7 +273,7 @@ void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSp
     // stage this stretch of every other block where its rank can read it
     for (int b = 0; b < n; ++b) {
       if (b != r) {
-        ops.copy(at(mem.stagingBuffer(), b * len, es), at(inBlocks[b], begin, es), len * es);
+        ops.stage(at(mem.stagingBuffer(), b * len, es), at(inBlocks[b], begin, es), len * es);
       }
     }
     // every rank staged it
@@ -589,12 +594,12 @@ void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spe
   for (size_t begin = 0; begin < count; begin += chunkElems) {
     const size_t n = std::min(chunkElems, count - begin);
     // stage my share of the chunk where the root can read it
-    ops.copy(mem.stagingBuffer(), at(in, begin, es), n * es);
+    ops.stage(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     rounds.exchange();
     if (c.rank != root) continue;
-    // the root reduces all shares in rank order
-    for (int k = 0; k < c.worldSize; ++k) src[k] = mem.peerBuffer(k);
+    // the root reduces all shares in rank order, its own from its input
+    for (int k = 0; k < c.worldSize; ++k) src[k] = k == root ? at(in, begin, es) : mem.peerBuffer(k);
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
   }
 }

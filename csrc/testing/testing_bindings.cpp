@@ -157,7 +157,8 @@ void bindTesting(py::module_& m) {
   // over byte tensors, from srcOffset into dstOffset bytes in (every
   // alignment of its head can be reached).
   py::class_<SlotStoreChooser>(t, "SlotStoreChooser")
-      .def(py::init<SlotStores>())
+      .def(py::init<SlotStores, double>(), py::arg("mode"),
+           py::arg("streaming_advantage") = SlotStoreChooser::kStreamingAdvantage)
       .def("next",
            [](SlotStoreChooser& c, size_t bytes, bool local) {
              const auto pick = c.next(bytes, local);
@@ -171,6 +172,8 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("SAMPLE_EVERY", &SlotStoreChooser::kSampleEvery)
       .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
       .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
+      .def_readonly_static("STAGED_STREAMING_ADVANTAGE",
+                           &SlotStoreChooser::kStagedStreamingAdvantage)
       .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
   py::class_<CmaChooser>(t, "CmaChooser")
       .def(py::init<CmaReads>())

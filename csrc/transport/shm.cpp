@@ -101,6 +101,24 @@ kernels::Incoming incoming(Hop hop) {
   return hop == Hop::First ? kernels::Incoming::Elements : kernels::Incoming::Partials;
 }
 
+// dst = src with the stores `stores` picks, timed for it when it asks;
+// returns whether they streamed (dst is then not in this core's cache).
+bool copyWithStores(SlotStoreChooser& stores, void* dst, const void* src, size_t bytes,
+                    bool local) {
+  const SlotStoreChooser::Pick pick = stores.next(bytes, local);
+  const auto start = pick.timed ? Clock::now() : Clock::time_point();
+  if (pick.streaming) {
+    kernels::streamingCopy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+  if (pick.timed) {
+    stores.observe(pick.streaming, bytes,
+                   std::chrono::duration<double, std::nano>(Clock::now() - start).count());
+  }
+  return pick.streaming;
+}
+
 } // namespace
 
 ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
@@ -117,7 +135,8 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       spinPhase_(Backoff::spinPhaseFor(worldSize)),
       pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
       segments_(worldSize),
-      stores_(options.slotStores) {
+      stores_(options.slotStores),
+      stagingStores_(options.slotStores, SlotStoreChooser::kStagedStreamingAdvantage) {
   options.validate();
 }
 
@@ -607,18 +626,7 @@ void ShmTransport::releaseRecv() {
 }
 
 bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes, bool local) {
-  const SlotStoreChooser::Pick pick = stores_.next(bytes, local);
-  const auto start = pick.timed ? Clock::now() : Clock::time_point();
-  if (pick.streaming) {
-    kernels::streamingCopy(slot, src, bytes);
-  } else {
-    std::memcpy(slot, src, bytes);
-  }
-  if (pick.timed) {
-    stores_.observe(pick.streaming, bytes,
-                    std::chrono::duration<double, std::nano>(Clock::now() - start).count());
-  }
-  return pick.streaming;
+  return copyWithStores(stores_, slot, src, bytes, local);
 }
 
 void ShmTransport::send(const void* src, size_t bytes) {
@@ -681,6 +689,10 @@ void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop,
 
 void ShmTransport::copy(void* dst, const void* src, size_t bytes) {
   if (dst != src) std::memcpy(dst, src, bytes);
+}
+
+void ShmTransport::stage(void* dst, const void* src, size_t bytes) {
+  copyWithStores(stagingStores_, dst, src, bytes, /*local=*/true);
 }
 
 void ShmTransport::reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,

@@ -240,6 +240,8 @@ class ShmTransport final : public Transport,
 
   // LocalOps, on the CPU
   void copy(void* dst, const void* src, size_t bytes) override;
+  // With the stores stagingStores_ picks.
+  void stage(void* dst, const void* src, size_t bytes) override;
   void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
                size_t count) override;
 
@@ -386,6 +388,9 @@ class ShmTransport final : public Transport,
   std::unique_ptr<ShmMessages> collectiveMessages_;
 
   SlotStoreChooser stores_;
+  // The same choice for the staging buffers of the direct algorithms, made
+  // apart: their writes are smaller, and each kind's estimate is per byte.
+  SlotStoreChooser stagingStores_;
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
   uint64_t rounds_ = 0;    // direct rounds staged (staged says those of exchange())

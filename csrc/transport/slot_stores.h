@@ -1,5 +1,8 @@
-// Which stores a rank writes its ring slots with: cached or streaming
-// (non-temporal), chosen by what each costs the writer here and now.
+// Which stores a rank writes its ring slots with, and the staging buffers
+// of the direct algorithms: cached or streaming (non-temporal), chosen by
+// what each costs the writer here and now. A transport keeps one chooser
+// for each: their writes differ in size, and with it the ratio that tells
+// the cases apart (kStagedStreamingAdvantage).
 //
 // A slot is written by one core and read at once by another. When the two
 // cores are near (one L3), a cached write is cheapest: the reader takes the
@@ -39,14 +42,21 @@ namespace pyddp {
 class SlotStoreChooser {
  public:
   // Smaller writes are cached and not timed: a timed write's two clock
-  // reads (33 ns each on the AMD EPYC VM) would be 10% or more of it (16 KiB
-  // at 23 GB/s: 0.7 us), and pieces this small come from small messages or
-  // small slots, whose time goes to meeting the peer more than to copying.
-  static constexpr size_t kMinChosenBytes = 16 * 1024;
+  // reads (24 ns each on the AMD EPYC VM) would be a third of it or more
+  // (1 KiB between near cores: about 70 ns). From 4 KiB the kinds differ by
+  // more than that. On far cores (core_distance 500 ns), 2 ranks, 16 KiB per
+  // rank: all_gather and broadcast (16 KiB pieces) took 9.6-10.0 us cached
+  // and 2.9-3.4 us streaming, all_reduce (8 KiB pieces) 15.0-15.2 and
+  // 12.1-12.5 us; on near cores the two kinds were within 6% of each other
+  // (benchmarks/side_by_side.py slot_stores; benchmarks/README.md,
+  // "Streaming stores from 4 KiB"). With 16 KiB here, pieces under it were
+  // all cached.
+  static constexpr size_t kMinChosenBytes = 4 * 1024;
   // The first chosen writes are cached and not timed: they touch the ring's
-  // slots for the first time (page faults, several times a copy's time),
-  // which would count against whichever kind they were timed for. 16: twice
-  // round the default ring of 8 slots (common/config.h).
+  // slots (or the staging buffers) for the first time (page faults, several
+  // times a copy's time), which would count against whichever kind they
+  // were timed for. 16: twice round the default ring of 8 slots
+  // (common/config.h).
   static constexpr uint64_t kWarmupWrites = 16;
   // One write in 4 of the preferred kind timed: two clock reads per 64 KiB
   // piece cost 2% of a cached write between near cores; one in 4 costs 0.5%.
@@ -70,6 +80,14 @@ class SlotStoreChooser {
   // backward (`python -m pyddp.bench ddp`), and at 3.5-6.0 far: 2.5 leaves
   // 1.3x on the near side and 1.4x on the far one.
   static constexpr double kStreamingAdvantage = 2.5;
+  // The same for the staging buffers of the direct algorithms (LocalOps::
+  // stage), written whole before a meeting: their writes (4-8 KiB under the
+  // default direct_max_bytes) leave the two cases closer for the writer. At
+  // 4 KiB, 2 ranks, its cached/streaming ratio was 1.9-4.7 on near cores,
+  // where cached stores made all_reduce and all_gather 1.4-1.6x faster
+  // (1.1-1.3 us against 1.6-2.1), and 7.5-10.5 on far ones, where streaming
+  // stores made all_reduce 1.6x faster (1.7 us against 2.8-3.7).
+  static constexpr double kStagedStreamingAdvantage = 6;
   // Each kind's estimate is the floor of its times (common/floor_estimate.h),
   // which a higher sample raises by at most this factor. With a moving
   // average, noise (DDP's backward on the same core) counted most against
@@ -84,8 +102,11 @@ class SlotStoreChooser {
     bool timed;  // report the time the write took to observe()
   };
 
-  explicit SlotStoreChooser(SlotStores mode)
-      : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached) {}
+  // `streamingAdvantage`: kStreamingAdvantage for ring slots,
+  // kStagedStreamingAdvantage for staging buffers.
+  explicit SlotStoreChooser(SlotStores mode, double streamingAdvantage = kStreamingAdvantage)
+      : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached),
+        streamingAdvantage_(streamingAdvantage) {}
 
   // How to make the next slot write, of `bytes` from a source that is
   // `local` to the writer (its own tensor) or not: a forwarded piece's copy
@@ -114,7 +135,7 @@ class SlotStoreChooser {
   bool prefersStreaming() const {
     if (mode_ != SlotStores::Auto) return mode_ == SlotStores::Streaming;
     return cost_[kStreaming].measured() &&
-           cost_[kStreaming].nsPerByte() * kStreamingAdvantage < cost_[kCached].nsPerByte();
+           cost_[kStreaming].nsPerByte() * streamingAdvantage_ < cost_[kCached].nsPerByte();
   }
 
   // The estimates, ns per byte (0: not measured yet).
@@ -126,6 +147,7 @@ class SlotStoreChooser {
   static constexpr int kStreaming = 1;
 
   const SlotStores mode_;
+  const double streamingAdvantage_;
   uint64_t writes_ = 0;  // chosen writes of local pieces so far
   FloorEstimate cost_[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
 };

@@ -79,6 +79,9 @@ class LocalOps {
   virtual ~LocalOps() = default;
   // dst = src, bytes long (a no-op when dst == src).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // The same into a staging buffer (PeerMemory), which peers read next: the
+  // transport may pick the stores that suit its readers.
+  virtual void stage(void* dst, const void* src, size_t bytes) { copy(dst, src, bytes); }
   // dst = finish(src[0] op ... op src[nsrc-1]), in source order; dst may be
   // one of the sources (the registered all-reduce reduces in place).
   virtual void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,
