@@ -172,8 +172,9 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("SAMPLE_EVERY", &SlotStoreChooser::kSampleEvery)
       .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
       .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
-      .def_readonly_static("STAGED_STREAMING_ADVANTAGE",
-                           &SlotStoreChooser::kStagedStreamingAdvantage)
+      .def_readonly_static("SMALL_STREAMING_ADVANTAGE",
+                           &SlotStoreChooser::kSmallStreamingAdvantage)
+      .def_readonly_static("SMALL_WRITE_BYTES", &SlotStoreChooser::kSmallWriteBytes)
       .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
   py::class_<CmaChooser>(t, "CmaChooser")
       .def(py::init<CmaReads>())

@@ -101,24 +101,6 @@ kernels::Incoming incoming(Hop hop) {
   return hop == Hop::First ? kernels::Incoming::Elements : kernels::Incoming::Partials;
 }
 
-// dst = src with the stores `stores` picks, timed for it when it asks;
-// returns whether they streamed (dst is then not in this core's cache).
-bool copyWithStores(SlotStoreChooser& stores, void* dst, const void* src, size_t bytes,
-                    bool local) {
-  const SlotStoreChooser::Pick pick = stores.next(bytes, local);
-  const auto start = pick.timed ? Clock::now() : Clock::time_point();
-  if (pick.streaming) {
-    kernels::streamingCopy(dst, src, bytes);
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
-  if (pick.timed) {
-    stores.observe(pick.streaming, bytes,
-                   std::chrono::duration<double, std::nano>(Clock::now() - start).count());
-  }
-  return pick.streaming;
-}
-
 } // namespace
 
 ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
@@ -136,7 +118,7 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
       segments_(worldSize),
       stores_(options.slotStores),
-      stagingStores_(options.slotStores, SlotStoreChooser::kStagedStreamingAdvantage) {
+      smallStores_(options.slotStores, SlotStoreChooser::kSmallStreamingAdvantage) {
   options.validate();
 }
 
@@ -625,18 +607,31 @@ void ShmTransport::releaseRecv() {
   segments_[rank_].header->consumed.value.store(received_, std::memory_order_release);
 }
 
-bool ShmTransport::writeSlot(char* slot, const void* src, size_t bytes, bool local) {
-  return copyWithStores(stores_, slot, src, bytes, local);
+bool ShmTransport::writeShared(void* dst, const void* src, size_t bytes, bool local) {
+  SlotStoreChooser& stores =
+      bytes < SlotStoreChooser::kSmallWriteBytes ? smallStores_ : stores_;
+  const SlotStoreChooser::Pick pick = stores.next(bytes, local);
+  const auto start = pick.timed ? Clock::now() : Clock::time_point();
+  if (pick.streaming) {
+    kernels::streamingCopy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+  if (pick.timed) {
+    stores.observe(pick.streaming, bytes,
+                   std::chrono::duration<double, std::nano>(Clock::now() - start).count());
+  }
+  return pick.streaming;
 }
 
 void ShmTransport::send(const void* src, size_t bytes) {
-  writeSlot(claimSendSlot(), src, bytes, /*local=*/true);
+  writeShared(claimSendSlot(), src, bytes, /*local=*/true);
   postSend();
 }
 
 void ShmTransport::sendCopy(const void* src, void* dst, size_t bytes) {
   char* slot = claimSendSlot();
-  const bool streamed = writeSlot(slot, src, bytes, /*local=*/true);
+  const bool streamed = writeShared(slot, src, bytes, /*local=*/true);
   postSend();
   // My copy while the next rank reads the piece, from whichever of the two
   // is in this core's cache: the slot it just wrote (only this rank's later
@@ -652,7 +647,7 @@ void ShmTransport::recv(void* dst, size_t bytes) {
 void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   const char* in = awaitRecvSlot();
   // Forward first: the next rank's hop starts while we keep our copy.
-  writeSlot(claimSendSlot(), in, bytes, /*local=*/false);
+  writeShared(claimSendSlot(), in, bytes, /*local=*/false);
   postSend();
   std::memcpy(dst, in, bytes);
   releaseRecv();
@@ -692,7 +687,7 @@ void ShmTransport::copy(void* dst, const void* src, size_t bytes) {
 }
 
 void ShmTransport::stage(void* dst, const void* src, size_t bytes) {
-  copyWithStores(stagingStores_, dst, src, bytes, /*local=*/true);
+  writeShared(dst, src, bytes, /*local=*/true);
 }
 
 void ShmTransport::reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,

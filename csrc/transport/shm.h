@@ -240,7 +240,7 @@ class ShmTransport final : public Transport,
 
   // LocalOps, on the CPU
   void copy(void* dst, const void* src, size_t bytes) override;
-  // With the stores stagingStores_ picks.
+  // With the stores writeShared() picks.
   void stage(void* dst, const void* src, size_t bytes) override;
   void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
                size_t count) override;
@@ -294,11 +294,11 @@ class ShmTransport final : public Transport,
 
   // Ring halves of the verbs.
   char* claimSendSlot();
-  // Copies a piece into a claimed slot with the stores stores_ picks;
-  // `local`: src is this rank's own memory, not a peer's slot. Returns
-  // whether the stores were streaming (the slot is then not in this core's
-  // cache).
-  bool writeSlot(char* slot, const void* src, size_t bytes, bool local);
+  // Copies what a peer reads next (a piece into a claimed slot, a staged
+  // chunk) with the stores that the chooser for its size picks; `local`:
+  // src is this rank's own memory, not a peer's slot. Returns whether the
+  // stores were streaming (dst is then not in this core's cache).
+  bool writeShared(void* dst, const void* src, size_t bytes, bool local);
   void postSend();
   const char* awaitRecvSlot();
   void releaseRecv();
@@ -387,10 +387,10 @@ class ShmTransport final : public Transport,
   std::unique_ptr<ShmMessages> messages_;
   std::unique_ptr<ShmMessages> collectiveMessages_;
 
+  // For writes of kSmallWriteBytes or more, and for smaller ones: each
+  // kind's estimate is per byte, and the small ones need the higher ratio.
   SlotStoreChooser stores_;
-  // The same choice for the staging buffers of the direct algorithms, made
-  // apart: their writes are smaller, and each kind's estimate is per byte.
-  SlotStoreChooser stagingStores_;
+  SlotStoreChooser smallStores_;
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
   uint64_t rounds_ = 0;    // direct rounds staged (staged says those of exchange())

@@ -1,8 +1,9 @@
 // Which stores a rank writes its ring slots with, and the staging buffers
 // of the direct algorithms: cached or streaming (non-temporal), chosen by
 // what each costs the writer here and now. A transport keeps one chooser
-// for each: their writes differ in size, and with it the ratio that tells
-// the cases apart (kStagedStreamingAdvantage).
+// for writes of kSmallWriteBytes or more and one for smaller ones: the
+// ratio that tells the cases apart depends on the size
+// (kSmallStreamingAdvantage).
 //
 // A slot is written by one core and read at once by another. When the two
 // cores are near (one L3), a cached write is cheapest: the reader takes the
@@ -80,14 +81,19 @@ class SlotStoreChooser {
   // backward (`python -m pyddp.bench ddp`), and at 3.5-6.0 far: 2.5 leaves
   // 1.3x on the near side and 1.4x on the far one.
   static constexpr double kStreamingAdvantage = 2.5;
-  // The same for the staging buffers of the direct algorithms (LocalOps::
-  // stage), written whole before a meeting: their writes (4-8 KiB under the
-  // default direct_max_bytes) leave the two cases closer for the writer. At
-  // 4 KiB, 2 ranks, its cached/streaming ratio was 1.9-4.7 on near cores,
-  // where cached stores made all_reduce and all_gather 1.4-1.6x faster
-  // (1.1-1.3 us against 1.6-2.1), and 7.5-10.5 on far ones, where streaming
-  // stores made all_reduce 1.6x faster (1.7 us against 2.8-3.7).
-  static constexpr double kStagedStreamingAdvantage = 6;
+  // The same for writes under kSmallWriteBytes (the staging buffers of the
+  // direct algorithms, 4-8 KiB under the default direct_max_bytes, and the
+  // pieces of messages under 16 KiB a rank), for which the writer's ratio
+  // tells the cases apart less well. 4 KiB staged by all_reduce of 2 ranks:
+  // 1.9-4.7 on near cores, where cached stores made all_reduce and
+  // all_gather 1.4-1.6x faster (1.1-1.3 us against 1.6-2.1), and 7.5-10.5
+  // on far ones, where streaming stores made all_reduce 1.6x faster (1.7 us
+  // against 2.8-3.7). 16 KiB pieces of all_gather: 3.7-3.9 near (the kinds
+  // within 6%), 13-22 far (streaming 3x faster). With 2.5 for every size,
+  // broadcast of 4 KiB and reduce_scatter of 16 KiB streamed on near cores
+  // and lost 15-20% of their speed over MPI.
+  static constexpr double kSmallStreamingAdvantage = 6;
+  static constexpr size_t kSmallWriteBytes = 16 * 1024;
   // Each kind's estimate is the floor of its times (common/floor_estimate.h),
   // which a higher sample raises by at most this factor. With a moving
   // average, noise (DDP's backward on the same core) counted most against
@@ -102,8 +108,8 @@ class SlotStoreChooser {
     bool timed;  // report the time the write took to observe()
   };
 
-  // `streamingAdvantage`: kStreamingAdvantage for ring slots,
-  // kStagedStreamingAdvantage for staging buffers.
+  // `streamingAdvantage`: kStreamingAdvantage, or kSmallStreamingAdvantage
+  // for the chooser of small writes.
   explicit SlotStoreChooser(SlotStores mode, double streamingAdvantage = kStreamingAdvantage)
       : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached),
         streamingAdvantage_(streamingAdvantage) {}
