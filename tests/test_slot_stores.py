@@ -28,7 +28,7 @@ PIECE = 64 * 1024
 NEAR = {False: 1 / 23, True: 1 / 12}
 FAR = {False: 1 / 3.7, True: 1 / 17}
 # The same for 4 KiB staged by a direct all_reduce of 2 ranks (the ends of the
-# ranges in slot_stores.h, kSmallStreamingAdvantage): on near cores the
+# ranges in slot_stores.h, kStagedStreamingAdvantage): on near cores the
 # writer gains up to 4.7x from streaming stores, which still make the whole
 # call slower; on far cores 7.5x or more.
 STAGED = 4096
@@ -46,6 +46,12 @@ def _write(chooser, cost, bytes_=PIECE, local=True):
 
 def _writes(chooser, cost, n):
     return [_write(chooser, cost) for _ in range(n)]
+
+
+def _staging_chooser():
+    """The chooser a transport keeps for its staging buffers."""
+    return Chooser(pyddp.SlotStores.AUTO, t.SlotStoreChooser.MIN_CHOSEN_STAGED_BYTES,
+                   t.SlotStoreChooser.STAGED_STREAMING_ADVANTAGE)
 
 
 def _warm(chooser, cost):
@@ -67,11 +73,17 @@ def test_forced_kinds_are_kept_and_not_timed():
     assert streaming.next(16, True) == expected and streaming.next(PIECE, False) == expected
 
 
-def test_small_writes_are_cached_and_not_timed():
-    chooser = Chooser(pyddp.SlotStores.AUTO)
-    small = t.SlotStoreChooser.MIN_CHOSEN_BYTES - 1
-    assert all(_write(chooser, FAR, small) == (False, False) for _ in range(200))
+@pytest.mark.parametrize("staging", [False, True], ids=["slots", "staging"])
+def test_small_writes_are_cached_and_not_timed(staging):
+    chooser = _staging_chooser() if staging else Chooser(pyddp.SlotStores.AUTO)
+    minimum = (t.SlotStoreChooser.MIN_CHOSEN_STAGED_BYTES if staging
+               else t.SlotStoreChooser.MIN_CHOSEN_BYTES)
+    assert all(_write(chooser, FAR, minimum - 1) == (False, False) for _ in range(200))
     assert chooser.cached_ns_per_byte() == 0 and chooser.streaming_ns_per_byte() == 0
+    # From the minimum on, writes are chosen: past the warm-up, both kinds are timed.
+    _writes(chooser, FAR, t.SlotStoreChooser.WARMUP_WRITES)
+    if t.has_streaming_stores:
+        assert [_write(chooser, FAR, minimum) for _ in range(2)] == [(False, True), (True, True)]
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
@@ -102,34 +114,30 @@ def test_picks_the_preferred_kind_samples_it_and_explores_the_other(case, prefer
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
-@pytest.mark.parametrize("small", [False, True], ids=["large", "small"])
-def test_streaming_must_be_clearly_faster_for_the_writer(small):
+@pytest.mark.parametrize("staging", [False, True], ids=["slots", "staging"])
+def test_streaming_must_be_clearly_faster_for_the_writer(staging):
     # The reader pays for streaming stores (it reads from memory), so the
-    # writer's gain must exceed STREAMING_ADVANTAGE (SMALL_STREAMING_ADVANTAGE
-    # for the chooser of small writes).
-    advantage = (t.SlotStoreChooser.SMALL_STREAMING_ADVANTAGE if small
+    # writer's gain must exceed STREAMING_ADVANTAGE (STAGED_STREAMING_ADVANTAGE
+    # for the chooser of the staging buffers).
+    advantage = (t.SlotStoreChooser.STAGED_STREAMING_ADVANTAGE if staging
                  else t.SlotStoreChooser.STREAMING_ADVANTAGE)
     for factor, prefers in ((advantage * 0.9, False), (advantage * 1.1, True)):
-        chooser = (Chooser(pyddp.SlotStores.AUTO, advantage) if small
-                   else Chooser(pyddp.SlotStores.AUTO))
+        chooser = _staging_chooser() if staging else Chooser(pyddp.SlotStores.AUTO)
         _warm(chooser, {False: factor * 0.1, True: 0.1})
         assert chooser.prefers_streaming() == prefers, factor
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")
-def test_small_writes_tell_near_from_far_where_the_large_ones_ratio_would_not():
-    assert t.SlotStoreChooser.MIN_CHOSEN_BYTES <= STAGED < t.SlotStoreChooser.SMALL_WRITE_BYTES
-    small = t.SlotStoreChooser.SMALL_STREAMING_ADVANTAGE
+def test_staging_tells_near_from_far_where_the_slots_ratio_would_not():
     for case, prefers in ((NEAR_STAGED, False), (FAR_STAGED, True)):
-        chooser = Chooser(pyddp.SlotStores.AUTO, small)
+        chooser = _staging_chooser()
         for _ in range(t.SlotStoreChooser.WARMUP_WRITES + 2 + 8 * t.SlotStoreChooser.EXPLORE_EVERY):
             _write(chooser, case, STAGED)
         assert chooser.prefers_streaming() == prefers
-    # The ratio for large writes would stream on near cores too, where that
-    # is slower.
-    large = Chooser(pyddp.SlotStores.AUTO)
-    _warm(large, NEAR_STAGED)
-    assert large.prefers_streaming()
+    # The slots' ratio would stream on near cores too, where that is slower.
+    slots = Chooser(pyddp.SlotStores.AUTO)
+    _warm(slots, NEAR_STAGED)
+    assert slots.prefers_streaming()
 
 
 @pytest.mark.skipif(not t.has_streaming_stores, reason="this CPU has no streaming stores")

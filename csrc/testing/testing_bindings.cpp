@@ -157,7 +157,8 @@ void bindTesting(py::module_& m) {
   // over byte tensors, from srcOffset into dstOffset bytes in (every
   // alignment of its head can be reached).
   py::class_<SlotStoreChooser>(t, "SlotStoreChooser")
-      .def(py::init<SlotStores, double>(), py::arg("mode"),
+      .def(py::init<SlotStores, size_t, double>(), py::arg("mode"),
+           py::arg("min_chosen_bytes") = SlotStoreChooser::kMinChosenBytes,
            py::arg("streaming_advantage") = SlotStoreChooser::kStreamingAdvantage)
       .def("next",
            [](SlotStoreChooser& c, size_t bytes, bool local) {
@@ -172,9 +173,9 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("SAMPLE_EVERY", &SlotStoreChooser::kSampleEvery)
       .def_readonly_static("EXPLORE_EVERY", &SlotStoreChooser::kExploreEvery)
       .def_readonly_static("STREAMING_ADVANTAGE", &SlotStoreChooser::kStreamingAdvantage)
-      .def_readonly_static("SMALL_STREAMING_ADVANTAGE",
-                           &SlotStoreChooser::kSmallStreamingAdvantage)
-      .def_readonly_static("SMALL_WRITE_BYTES", &SlotStoreChooser::kSmallWriteBytes)
+      .def_readonly_static("MIN_CHOSEN_STAGED_BYTES", &SlotStoreChooser::kMinChosenStagedBytes)
+      .def_readonly_static("STAGED_STREAMING_ADVANTAGE",
+                           &SlotStoreChooser::kStagedStreamingAdvantage)
       .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
   py::class_<CmaChooser>(t, "CmaChooser")
       .def(py::init<CmaReads>())

@@ -118,7 +118,8 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
       segments_(worldSize),
       stores_(options.slotStores),
-      smallStores_(options.slotStores, SlotStoreChooser::kSmallStreamingAdvantage) {
+      stagingStores_(options.slotStores, SlotStoreChooser::kMinChosenStagedBytes,
+                     SlotStoreChooser::kStagedStreamingAdvantage) {
   options.validate();
 }
 
@@ -607,9 +608,8 @@ void ShmTransport::releaseRecv() {
   segments_[rank_].header->consumed.value.store(received_, std::memory_order_release);
 }
 
-bool ShmTransport::writeShared(void* dst, const void* src, size_t bytes, bool local) {
-  SlotStoreChooser& stores =
-      bytes < SlotStoreChooser::kSmallWriteBytes ? smallStores_ : stores_;
+bool ShmTransport::writeShared(SlotStoreChooser& stores, void* dst, const void* src,
+                               size_t bytes, bool local) {
   const SlotStoreChooser::Pick pick = stores.next(bytes, local);
   const auto start = pick.timed ? Clock::now() : Clock::time_point();
   if (pick.streaming) {
@@ -625,13 +625,13 @@ bool ShmTransport::writeShared(void* dst, const void* src, size_t bytes, bool lo
 }
 
 void ShmTransport::send(const void* src, size_t bytes) {
-  writeShared(claimSendSlot(), src, bytes, /*local=*/true);
+  writeShared(stores_, claimSendSlot(), src, bytes, /*local=*/true);
   postSend();
 }
 
 void ShmTransport::sendCopy(const void* src, void* dst, size_t bytes) {
   char* slot = claimSendSlot();
-  const bool streamed = writeShared(slot, src, bytes, /*local=*/true);
+  const bool streamed = writeShared(stores_, slot, src, bytes, /*local=*/true);
   postSend();
   // My copy while the next rank reads the piece, from whichever of the two
   // is in this core's cache: the slot it just wrote (only this rank's later
@@ -647,7 +647,7 @@ void ShmTransport::recv(void* dst, size_t bytes) {
 void ShmTransport::recvCopySend(void* dst, size_t bytes) {
   const char* in = awaitRecvSlot();
   // Forward first: the next rank's hop starts while we keep our copy.
-  writeShared(claimSendSlot(), in, bytes, /*local=*/false);
+  writeShared(stores_, claimSendSlot(), in, bytes, /*local=*/false);
   postSend();
   std::memcpy(dst, in, bytes);
   releaseRecv();
@@ -687,7 +687,7 @@ void ShmTransport::copy(void* dst, const void* src, size_t bytes) {
 }
 
 void ShmTransport::stage(void* dst, const void* src, size_t bytes) {
-  writeShared(dst, src, bytes, /*local=*/true);
+  writeShared(stagingStores_, dst, src, bytes, /*local=*/true);
 }
 
 void ShmTransport::reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src,

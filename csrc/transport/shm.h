@@ -240,7 +240,7 @@ class ShmTransport final : public Transport,
 
   // LocalOps, on the CPU
   void copy(void* dst, const void* src, size_t bytes) override;
-  // With the stores writeShared() picks.
+  // With the stores stagingStores_ picks.
   void stage(void* dst, const void* src, size_t bytes) override;
   void reduceN(const kernels::ReduceSpec& spec, void* dst, const void* const* src, int nsrc,
                size_t count) override;
@@ -295,10 +295,11 @@ class ShmTransport final : public Transport,
   // Ring halves of the verbs.
   char* claimSendSlot();
   // Copies what a peer reads next (a piece into a claimed slot, a staged
-  // chunk) with the stores that the chooser for its size picks; `local`:
-  // src is this rank's own memory, not a peer's slot. Returns whether the
-  // stores were streaming (dst is then not in this core's cache).
-  bool writeShared(void* dst, const void* src, size_t bytes, bool local);
+  // chunk) with the stores `stores` picks; `local`: src is this rank's own
+  // memory, not a peer's slot. Returns whether the stores were streaming
+  // (dst is then not in this core's cache).
+  bool writeShared(SlotStoreChooser& stores, void* dst, const void* src, size_t bytes,
+                   bool local);
   void postSend();
   const char* awaitRecvSlot();
   void releaseRecv();
@@ -387,10 +388,10 @@ class ShmTransport final : public Transport,
   std::unique_ptr<ShmMessages> messages_;
   std::unique_ptr<ShmMessages> collectiveMessages_;
 
-  // For writes of kSmallWriteBytes or more, and for smaller ones: each
-  // kind's estimate is per byte, and the small ones need the higher ratio.
+  // For the ring's slots, and for the staging buffers: each kind's
+  // estimate is per byte, and the smaller staged writes need a higher ratio.
   SlotStoreChooser stores_;
-  SlotStoreChooser smallStores_;
+  SlotStoreChooser stagingStores_;
   uint64_t sent_ = 0;      // mirrors our posted counter
   uint64_t received_ = 0;  // mirrors our consumed counter
   uint64_t rounds_ = 0;    // direct rounds staged (staged says those of exchange())

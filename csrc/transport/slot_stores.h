@@ -1,9 +1,8 @@
 // Which stores a rank writes its ring slots with, and the staging buffers
 // of the direct algorithms: cached or streaming (non-temporal), chosen by
 // what each costs the writer here and now. A transport keeps one chooser
-// for writes of kSmallWriteBytes or more and one for smaller ones: the
-// ratio that tells the cases apart depends on the size
-// (kSmallStreamingAdvantage).
+// for each: their writes differ in size, and with it the ratio that tells
+// the cases apart (kStagedStreamingAdvantage).
 //
 // A slot is written by one core and read at once by another. When the two
 // cores are near (one L3), a cached write is cheapest: the reader takes the
@@ -42,17 +41,18 @@ namespace pyddp {
 
 class SlotStoreChooser {
  public:
-  // Smaller writes are cached and not timed: a timed write's two clock
-  // reads (24 ns each on the AMD EPYC VM) would be a third of it or more
-  // (1 KiB between near cores: about 70 ns). From 4 KiB the kinds differ by
-  // more than that. On far cores (core_distance 500 ns), 2 ranks, 16 KiB per
-  // rank: all_gather and broadcast (16 KiB pieces) took 9.6-10.0 us cached
-  // and 2.9-3.4 us streaming, all_reduce (8 KiB pieces) 15.0-15.2 and
-  // 12.1-12.5 us; on near cores the two kinds were within 6% of each other
-  // (benchmarks/side_by_side.py slot_stores; benchmarks/README.md,
-  // "Streaming stores from 4 KiB"). With 16 KiB here, pieces under it were
-  // all cached.
-  static constexpr size_t kMinChosenBytes = 4 * 1024;
+  // Smaller slot writes are cached and not timed. Pieces this small come
+  // from small messages or small slots, and the writer's ratio (below) does
+  // not tell near cores from far ones for them: the first hop of a 2-rank
+  // reduce_scatter of 8 KiB a rank read 3.6 on one rank and 8.2 on the
+  // other between near cores, where streaming them made the call 1.15x
+  // slower (outside loop, 2.1-2.3 us cached against 2.5).
+  static constexpr size_t kMinChosenBytes = 16 * 1024;
+  // The same for the staging buffers of the direct algorithms (LocalOps::
+  // stage). A timed write's two clock reads (24 ns each on the AMD EPYC VM)
+  // are a third or more of a write under 4 KiB (1 KiB between near cores:
+  // about 70 ns); from 4 KiB the kinds differ by more than that.
+  static constexpr size_t kMinChosenStagedBytes = 4 * 1024;
   // The first chosen writes are cached and not timed: they touch the ring's
   // slots (or the staging buffers) for the first time (page faults, several
   // times a copy's time), which would count against whichever kind they
@@ -81,19 +81,15 @@ class SlotStoreChooser {
   // backward (`python -m pyddp.bench ddp`), and at 3.5-6.0 far: 2.5 leaves
   // 1.3x on the near side and 1.4x on the far one.
   static constexpr double kStreamingAdvantage = 2.5;
-  // The same for writes under kSmallWriteBytes (the staging buffers of the
-  // direct algorithms, 4-8 KiB under the default direct_max_bytes, and the
-  // pieces of messages under 16 KiB a rank), for which the writer's ratio
-  // tells the cases apart less well. 4 KiB staged by all_reduce of 2 ranks:
+  // The same for the staging buffers, written whole before a meeting:
+  // their writes (4-8 KiB under the default direct_max_bytes) leave the two
+  // cases closer for the writer. 4 KiB staged by all_reduce of 2 ranks:
   // 1.9-4.7 on near cores, where cached stores made all_reduce and
   // all_gather 1.4-1.6x faster (1.1-1.3 us against 1.6-2.1), and 7.5-10.5
   // on far ones, where streaming stores made all_reduce 1.6x faster (1.7 us
-  // against 2.8-3.7). 16 KiB pieces of all_gather: 3.7-3.9 near (the kinds
-  // within 6%), 13-22 far (streaming 3x faster). With 2.5 for every size,
-  // broadcast of 4 KiB and reduce_scatter of 16 KiB streamed on near cores
-  // and lost 15-20% of their speed over MPI.
-  static constexpr double kSmallStreamingAdvantage = 6;
-  static constexpr size_t kSmallWriteBytes = 16 * 1024;
+  // against 2.8-3.7; benchmarks/README.md, "Streaming stores for staged
+  // chunks").
+  static constexpr double kStagedStreamingAdvantage = 6;
   // Each kind's estimate is the floor of its times (common/floor_estimate.h),
   // which a higher sample raises by at most this factor. With a moving
   // average, noise (DDP's backward on the same core) counted most against
@@ -108,10 +104,12 @@ class SlotStoreChooser {
     bool timed;  // report the time the write took to observe()
   };
 
-  // `streamingAdvantage`: kStreamingAdvantage, or kSmallStreamingAdvantage
-  // for the chooser of small writes.
-  explicit SlotStoreChooser(SlotStores mode, double streamingAdvantage = kStreamingAdvantage)
+  // The chooser for ring slots; for staging buffers, kMinChosenStagedBytes
+  // and kStagedStreamingAdvantage.
+  explicit SlotStoreChooser(SlotStores mode, size_t minChosenBytes = kMinChosenBytes,
+                            double streamingAdvantage = kStreamingAdvantage)
       : mode_(kernels::kHasStreamingStores ? mode : SlotStores::Cached),
+        minChosenBytes_(minChosenBytes),
         streamingAdvantage_(streamingAdvantage) {}
 
   // How to make the next slot write, of `bytes` from a source that is
@@ -121,7 +119,7 @@ class SlotStoreChooser {
   // and is not timed.
   Pick next(size_t bytes, bool local) {
     if (mode_ != SlotStores::Auto) return {mode_ == SlotStores::Streaming, false};
-    if (bytes < kMinChosenBytes) return {false, false};
+    if (bytes < minChosenBytes_) return {false, false};
     if (!local) return {prefersStreaming(), false};
     if (++writes_ <= kWarmupWrites) return {false, false};
     // Each kind is measured once before either is preferred.
@@ -153,6 +151,7 @@ class SlotStoreChooser {
   static constexpr int kStreaming = 1;
 
   const SlotStores mode_;
+  const size_t minChosenBytes_;
   const double streamingAdvantage_;
   uint64_t writes_ = 0;  // chosen writes of local pieces so far
   FloorEstimate cost_[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
