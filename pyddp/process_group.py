@@ -176,8 +176,9 @@ class ProcessGroup:
         self._cpu_engine: Optional[_C.Engine] = None
         self._engine_list: Tuple[_C.Engine, ...] = ()  # _engines' values, for barrier
         # The CPU engine's synchronous entries (Engine.direct_entries), once it
-        # exists: each returns None when it ran the call, NotImplemented when
-        # the call takes the general path.
+        # exists (the barrier's while it is the only engine): each returns None
+        # when it ran the call, NotImplemented when the call takes the general
+        # path.
         self._all_reduce_now: Callable[..., object] = _not_now
         self._all_gather_now: Callable[..., object] = _not_now
         self._reduce_scatter_now: Callable[..., object] = _not_now
@@ -226,6 +227,8 @@ class ProcessGroup:
             self._reduce_scatter_now = now["reduce_scatter_single"]
             self._broadcast_now = now["broadcast"]
             self._barrier_now = now["barrier"]
+        if len(self._engine_list) > 1:
+            self._barrier_now = _not_now  # a barrier meets on every engine
         return engine
 
     def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
@@ -561,9 +564,9 @@ class ProcessGroup:
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier, on every engine of the group
         (so a CUDA engine's queued collectives are done too)."""
-        engines = self._engine_list
-        if not async_op and len(engines) == 1 and self._barrier_now() is None:
+        if not async_op and self._barrier_now() is None:
             return None  # the CPU engine was the only one
+        engines = self._engine_list
         if len(engines) > 1:
             for engine in engines[:-1]:
                 engine.barrier(False)
