@@ -599,7 +599,9 @@ void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spe
     rounds.exchange();
     if (c.rank != root) continue;
     // the root reduces all shares in rank order, its own from its input
-    for (int k = 0; k < c.worldSize; ++k) src[k] = k == root ? at(in, begin, es) : mem.peerBuffer(k);
+    for (int k = 0; k < c.worldSize; ++k) {
+      src[k] = k == root ? at(in, begin, es) : mem.peerBuffer(k);
+    }
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
   }
 }

@@ -50,8 +50,9 @@ class SlotStoreChooser {
   static constexpr size_t kMinChosenBytes = 16 * 1024;
   // The same for the staging buffers of the direct algorithms (LocalOps::
   // stage). A timed write's two clock reads (24 ns each on the AMD EPYC VM)
-  // are a third or more of a write under 4 KiB (1 KiB between near cores:
-  // about 70 ns); from 4 KiB the kinds differ by more than that.
+  // weigh on small writes: a cached write of 4 KiB between near cores
+  // measured 270-420 ns with them, and the kinds' difference at that size
+  // is larger than they are (kStagedStreamingAdvantage).
   static constexpr size_t kMinChosenStagedBytes = 4 * 1024;
   // The first chosen writes are cached and not timed: they touch the ring's
   // slots (or the staging buffers) for the first time (page faults, several
