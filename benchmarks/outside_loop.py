@@ -74,15 +74,16 @@ def calls(op: str, nbytes: int, pg: pyddp.ProcessGroup, comm: MPI.Comm
         return pg.barrier, comm.Barrier, lambda: None
     if op in ("all_reduce", "broadcast"):
         t, m = mine.clone(), mine.clone()
+        mn = m.numpy()  # once, as the other ops' views: a view per call is MPI's time too
 
         def reset() -> None:
             t.copy_(mine)
             m.copy_(mine)
         if op == "all_reduce":
             return _checked(lambda: pg.all_reduce(t),
-                            lambda: comm.Allreduce(MPI.IN_PLACE, m.numpy()), (t, m),
+                            lambda: comm.Allreduce(MPI.IN_PLACE, mn), (t, m),
                             sum(base + r for r in range(world)), reset)
-        return _checked(lambda: pg.broadcast(t, 0), lambda: comm.Bcast(m.numpy(), 0), (t, m),
+        return _checked(lambda: pg.broadcast(t, 0), lambda: comm.Bcast(mn, 0), (t, m),
                         base, reset)
     if op == "all_gather":
         out, mout = torch.empty(world * n), torch.empty(world * n)
