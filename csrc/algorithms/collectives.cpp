@@ -62,6 +62,17 @@ class StagedRounds {
   bool arrivePending_;
 };
 
+// Every rank's share of a staged round, in rank order, for a reduction: the
+// peers' from their staging buffers at byte `offset`, this rank's from
+// `mine` (which a streamed staging copy left out of this core's cache, and
+// which a reduce-scatter does not stage).
+void sharesOf(ConstRankPtrs& src, const PeerMemory& mem, int rank, const void* mine,
+              size_t offset) {
+  for (int k = 0; k < static_cast<int>(src.size()); ++k) {
+    src[k] = k == rank ? mine : static_cast<const char*>(mem.peerBuffer(k)) + offset;
+  }
+}
+
 } // namespace
 
 void ringAllReduce(const Call& c, const kernels::ReduceSpec& spec,
@@ -126,11 +137,8 @@ void directAllReduce(const Call& c, PeerMemory& mem,
     ops.stage(mem.stagingBuffer(), at(in, begin, es), n * es);
     // every rank staged it
     rounds.exchange();
-    // reduce all shares in rank order: the same bits on every rank (mine
-    // from my input, which a streamed staging copy left out of my cache)
-    for (int k = 0; k < c.worldSize; ++k) {
-      src[k] = k == c.rank ? at(in, begin, es) : mem.peerBuffer(k);
-    }
+    // reduce all shares in rank order: the same bits on every rank
+    sharesOf(src, mem, c.rank, at(in, begin, es), 0);
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
   }
 }
@@ -155,9 +163,7 @@ void twoShotAllReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec&
     rounds.exchange();
     // reduce my block of every rank's share in rank order, into the buffer
     // of round 2 (the same bits on every rank)
-    for (int k = 0; k < n; ++k) {
-      src[k] = k == r ? at(in, begin + mine.begin, es) : at(mem.peerBuffer(k), mine.begin, es);
-    }
+    sharesOf(src, mem, r, at(in, begin + mine.begin, es), mine.begin * es);
     ops.reduceN(spec, at(mem.stagingBuffer(), mine.begin, es), src.data(), n, mine.count);
     // round 2: every block is reduced; each rank copies all of them out
     rounds.exchange();
@@ -279,9 +285,7 @@ void directReduceScatter(const Call& c, PeerMemory& mem, const kernels::ReduceSp
     // every rank staged it
     rounds.exchange();
     // reduce my block's stretch of every rank in rank order
-    for (int k = 0; k < n; ++k) {
-      src[k] = k == r ? at(inBlocks[r], begin, es) : at(mem.peerBuffer(k), r * len, es);
-    }
+    sharesOf(src, mem, r, at(inBlocks[r], begin, es), r * len * es);
     ops.reduceN(spec, at(out, begin, es), src.data(), n, len);
   }
 }
@@ -598,10 +602,8 @@ void directReduce(const Call& c, PeerMemory& mem, const kernels::ReduceSpec& spe
     // every rank staged it
     rounds.exchange();
     if (c.rank != root) continue;
-    // the root reduces all shares in rank order, its own from its input
-    for (int k = 0; k < c.worldSize; ++k) {
-      src[k] = k == root ? at(in, begin, es) : mem.peerBuffer(k);
-    }
+    // the root reduces all shares in rank order
+    sharesOf(src, mem, root, at(in, begin, es), 0);
     ops.reduceN(spec, at(out, begin, es), src.data(), c.worldSize, n);
   }
 }
