@@ -2,7 +2,8 @@
 
 Covers every dtype x op, odd lengths and the reduce-N tile boundary, AVG's
 final division, half types accumulating in fp32, integer wrap-around, NaN
-propagation and the bitwise ops' refusal of floating types.
+propagation and the bitwise ops' refusal of floating types; the element-wise
+loops under each instruction set this CPU runs (``loop_isa``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ def _same(actual, expected):
         assert torch.equal(actual, expected)
 
 
+@pytest.fixture(params=k.supported_loop_isas(), ids=lambda isa: isa.name.lower())
+def loop_isa(request):
+    """The kernels' loops compiled for each instruction set this CPU has, in turn."""
+    default = k.loop_isa()
+    k.use_loop_isa(request.param)
+    yield request.param
+    k.use_loop_isa(default)
+
+
+def test_the_loops_run_the_best_instruction_set_by_default():
+    assert k.loop_isa() == k.supported_loop_isas()[-1]
+    assert k.supported_loop_isas()[0] == k.LoopIsa.BASELINE
+
+
 def _cases():
     """AVG is for floating types, the bitwise ops for integers."""
     return [(d, op) for d in DTYPES for op in OPS
@@ -71,7 +86,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
-def test_ring_kernels_match_torch(dtype, op):
+def test_ring_kernels_match_torch(dtype, op, loop_isa):
     red = getattr(_C.RedOp, op)
     acc = _acc(dtype)
     for n in LENGTHS:
@@ -87,7 +102,7 @@ def test_ring_kernels_match_torch(dtype, op):
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
-def test_ring_kernels_read_a_first_hop_sent_as_elements(dtype, op):
+def test_ring_kernels_read_a_first_hop_sent_as_elements(dtype, op, loop_isa):
     # shm sends a reduction's first hop as the sender's elements, not as
     # partials: the steps that read it must give the same as from partials.
     red = getattr(_C.RedOp, op)
@@ -104,7 +119,7 @@ def test_ring_kernels_read_a_first_hop_sent_as_elements(dtype, op):
 
 
 @pytest.mark.parametrize("dtype,op", _cases())
-def test_reduce_n_matches_torch_in_source_order(dtype, op):
+def test_reduce_n_matches_torch_in_source_order(dtype, op, loop_isa):
     red = getattr(_C.RedOp, op)
     for nsrc in (1, 2, 3, 5):
         for n in LENGTHS:
@@ -113,7 +128,7 @@ def test_reduce_n_matches_torch_in_source_order(dtype, op):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_types_accumulate_in_fp32(dtype):
+def test_half_types_accumulate_in_fp32(dtype, loop_isa):
     # 2048 + 1 + 1 rounded to fp16 at every step gives 2048; accumulated in
     # fp32 and rounded once it gives 2050. The ring and direct kernels agree.
     big, one = torch.tensor([2048.0], dtype=dtype), torch.tensor([1.0], dtype=dtype)
@@ -124,7 +139,7 @@ def test_half_types_accumulate_in_fp32(dtype):
     assert ring.item() == exact
 
 
-def test_integers_wrap_around():
+def test_integers_wrap_around(loop_isa):
     def final(op, a):
         return k.reduce_final(op, 2, a, a)[0].tolist()
 
@@ -148,7 +163,7 @@ def test_bitwise_ops_refuse_floating_types(dtype, op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("op", ["MIN", "MAX"])
-def test_nan_wins_min_and_max(dtype, op):
+def test_nan_wins_min_and_max(dtype, op, loop_isa):
     # 19 elements: whole vectors of the half types' vector pass (two of 8
     # lanes, or one of 16 for two bfloat16 operands) and a tail through the
     # tiles, NaN on either side in both.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "common/types.h"
 
@@ -39,6 +40,20 @@ void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
 // dst = finish(src[0] op ... op src[nsrc-1]), in source order.
 void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count);
+
+// The instruction sets the element-wise loops above are compiled for. On
+// x86-64 they run with the best this CPU has: AVX-512 where it has F and BW,
+// else AVX2, else x86-64's baseline (SSE2); elsewhere with the baseline.
+// Every loop is element by element with no multiply-add to contract, so
+// each instruction set gives the same bits (ranks on different CPUs agree).
+enum class LoopIsa { Baseline, Avx2, Avx512 };
+const char* toString(LoopIsa isa);
+// The instruction set the loops use now.
+LoopIsa loopIsa();
+// Those this CPU can run, the baseline first and the default last.
+std::vector<LoopIsa> supportedLoopIsas();
+// Tests: the loops use `isa` (one of supportedLoopIsas()) from now on.
+void useLoopIsa(LoopIsa isa);
 
 // Whether streamingCopy writes with non-temporal stores on this CPU (x86-64:
 // SSE2's, which every x86-64 has); elsewhere it is memcpy.

@@ -122,6 +122,15 @@ void bindTesting(py::module_& m) {
     }
     return out;
   });
+  // The instruction sets of the loops: which this CPU runs, and a switch
+  // that makes the kernels below use another (tests cover each).
+  py::enum_<kernels::LoopIsa>(t, "LoopIsa")
+      .value("BASELINE", kernels::LoopIsa::Baseline)
+      .value("AVX2", kernels::LoopIsa::Avx2)
+      .value("AVX512", kernels::LoopIsa::Avx512);
+  t.def("supported_loop_isas", &kernels::supportedLoopIsas);
+  t.def("loop_isa", &kernels::loopIsa);
+  t.def("use_loop_isa", &kernels::useLoopIsa);
   t.def("to_partial", [=](at::Tensor local) {
     auto out = partialLike(local);
     kernels::toPartial({dtypeOf(local), RedOp::Sum, 1}, out.data_ptr(), local.data_ptr(),
