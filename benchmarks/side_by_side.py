@@ -13,6 +13,9 @@ group's first call is checked against the expected result. Comparisons:
 - ``cma``: all_gather and broadcast through the ring's slots (``cma``
   NEVER), through a single copy by the kernel (ALWAYS: cross-memory attach)
   and as rank 0 picks from its times (AUTO; last/best 1: it picked right);
+- ``loop_isa``: the reduction kernels' loops compiled for each instruction
+  set this CPU runs (baseline, AVX2, AVX-512), switched in both ranks before
+  each group's loop (last/best 1: the default is the fastest);
 - ``switches``: what the first calls after a switch between those two paths
   cost (rank 1's time of each; the chooser of AUTO does not time the first).
   A round runs SWITCH_BEFORE calls on one path, then SWITCH_AFTER timed
@@ -21,6 +24,7 @@ group's first call is checked against the expected result. Comparisons:
 
     python benchmarks/side_by_side.py [slot_stores|cma|switches] \
         [all_gather|broadcast|all_reduce] [bytes per rank] [rounds]
+    python benchmarks/side_by_side.py loop_isa all_reduce [bytes per rank] [rounds]
 
 Run benchmarks/core_distance.cpp before and after to know which case a run saw.
 """
@@ -39,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 import pyddp
+from pyddp._C import _testing
 
 COMPARISONS = {
     "slot_stores": (("cached", {"slot_stores": pyddp.SlotStores.CACHED}),
@@ -49,6 +54,7 @@ COMPARISONS = {
             ("auto", {"cma": pyddp.CmaReads.AUTO})),
     "switches": (("slots", {"cma": pyddp.CmaReads.NEVER}),
                  ("kernel", {"cma": pyddp.CmaReads.ALWAYS, "cma_min_bytes": 0})),
+    "loop_isa": tuple((isa.name.lower(), {}) for isa in _testing.supported_loop_isas()),
 }
 SWITCH_BEFORE, SWITCH_AFTER, SWITCH_REPEATS = 28, 4, 30
 ROUND_SECONDS = 0.02
@@ -94,17 +100,20 @@ def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rou
     reporter = 1 if comparison == "switches" else 0
     for _ in range(rounds):
         row = (_switch_round(groups, call) if comparison == "switches"
-               else _loop_round(groups, call, iters))
+               else _loop_round(groups, call, iters, comparison))
         if rank == reporter:
             results.put(row)
     for pg in groups.values():
         pyddp.destroy_process_group(pg)
 
 
-def _loop_round(groups: dict, call: Callable[[pyddp.ProcessGroup], None], iters: int) -> list:
+def _loop_round(groups: dict, call: Callable[[pyddp.ProcessGroup], None], iters: int,
+                comparison: str) -> list:
     """Per group: seconds per call of a loop of `iters` calls."""
     row = []
-    for pg in groups.values():
+    for name, pg in groups.items():
+        if comparison == "loop_isa":
+            _testing.use_loop_isa(_testing.LoopIsa.__members__[name.upper()])
         call(pg)
         pg.barrier()
         start = time.perf_counter()
