@@ -14,7 +14,7 @@ group's first call is checked against the expected result. Comparisons:
   NEVER), through a single copy by the kernel (ALWAYS: cross-memory attach)
   and as rank 0 picks from its times (AUTO; last/best 1: it picked right);
 - ``loop_isa``: the reduction kernels' loops compiled for each instruction
-  set this CPU runs (baseline, AVX2, AVX-512), switched in both ranks before
+  set this CPU runs (x86-64's baseline, AVX2), switched in both ranks before
   each group's loop (last/best 1: the default is the fastest);
 - ``switches``: what the first calls after a switch between those two paths
   cost (rank 1's time of each; the chooser of AUTO does not time the first).

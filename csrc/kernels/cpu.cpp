@@ -41,9 +41,6 @@ const float* incomingTile(const void* in, Incoming incoming, size_t base, size_t
 
 LoopIsa bestLoopIsa() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return LoopIsa::Avx512;
-  }
   if (__builtin_cpu_supports("avx2")) return LoopIsa::Avx2;
 #endif
   return LoopIsa::Baseline;
@@ -56,11 +53,13 @@ std::atomic<LoopIsa>& currentLoopIsa() {
 
 // body(), its loops compiled for one instruction set: flatten inlines every
 // call inside body into these functions, so the vectoriser sees the loops
-// under the function's target. Only the kernels' loops run here, where
-// the element-wise work is; the rest of the library stays at the baseline.
-// One rank's all_reduce of 4 KiB float32 (a copy through these loops) took
-// 643 ns a call with the baseline's 16-byte vectors and 546 ns with AVX2 on
-// the AMD EPYC VM of benchmarks/README.md.
+// under the function's target. Only the kernels' loops run here, where the
+// element-wise work is; the rest of the library stays at the baseline.
+// 2 ranks, all_reduce of float32 (`python benchmarks/side_by_side.py
+// loop_isa all_reduce BYTES`, AMD EPYC VM of benchmarks/README.md), us per
+// call with the baseline's 16-byte vectors, AVX2's 32-byte ones and
+// AVX-512's: 64 KiB 41.5, 29.3, 29.2; 1 MiB 530, 425, 430; 64 MiB alike
+// (memory-bound). AVX-512 gained nothing over AVX2, so it is not built.
 template <typename Body>
 [[gnu::flatten]] void loopsBaseline(Body& body) {
   body();
@@ -70,10 +69,6 @@ template <typename Body>
 [[gnu::target("avx2"), gnu::flatten]] void loopsAvx2(Body& body) {
   body();
 }
-template <typename Body>
-[[gnu::target("avx512f,avx512bw"), gnu::flatten]] void loopsAvx512(Body& body) {
-  body();
-}
 #endif
 
 // Runs body() with the loops of the instruction set in use.
@@ -81,7 +76,6 @@ template <typename Body>
 void vectorised(Body&& body) {
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (loopIsa()) {
-    case LoopIsa::Avx512: return loopsAvx512(body);
     case LoopIsa::Avx2: return loopsAvx2(body);
     case LoopIsa::Baseline: break;
   }
@@ -95,7 +89,6 @@ const char* toString(LoopIsa isa) {
   switch (isa) {
     case LoopIsa::Baseline: return "baseline";
     case LoopIsa::Avx2: return "avx2";
-    case LoopIsa::Avx512: return "avx512";
   }
   return "unknown";
 }
@@ -106,7 +99,7 @@ LoopIsa loopIsa() {
 
 std::vector<LoopIsa> supportedLoopIsas() {
   std::vector<LoopIsa> isas;
-  for (LoopIsa isa : {LoopIsa::Baseline, LoopIsa::Avx2, LoopIsa::Avx512}) {
+  for (LoopIsa isa : {LoopIsa::Baseline, LoopIsa::Avx2}) {
     if (isa <= bestLoopIsa()) isas.push_back(isa);
   }
   return isas;

@@ -42,11 +42,11 @@ void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count);
 
 // The instruction sets the element-wise loops above are compiled for. On
-// x86-64 they run with the best this CPU has: AVX-512 where it has F and BW,
-// else AVX2, else x86-64's baseline (SSE2); elsewhere with the baseline.
-// Every loop is element by element with no multiply-add to contract, so
-// each instruction set gives the same bits (ranks on different CPUs agree).
-enum class LoopIsa { Baseline, Avx2, Avx512 };
+// x86-64 they run with AVX2 where the CPU has it, else with x86-64's
+// baseline (SSE2); elsewhere with the baseline. Every loop goes element by
+// element with no multiply-add to contract, so both give the same bits
+// (ranks on different CPUs agree).
+enum class LoopIsa { Baseline, Avx2 };
 const char* toString(LoopIsa isa);
 // The instruction set the loops use now.
 LoopIsa loopIsa();

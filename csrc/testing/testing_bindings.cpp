@@ -126,8 +126,7 @@ void bindTesting(py::module_& m) {
   // that makes the kernels below use another (tests cover each).
   py::enum_<kernels::LoopIsa>(t, "LoopIsa")
       .value("BASELINE", kernels::LoopIsa::Baseline)
-      .value("AVX2", kernels::LoopIsa::Avx2)
-      .value("AVX512", kernels::LoopIsa::Avx512);
+      .value("AVX2", kernels::LoopIsa::Avx2);
   t.def("supported_loop_isas", &kernels::supportedLoopIsas);
   t.def("loop_isa", &kernels::loopIsa);
   t.def("use_loop_isa", &kernels::useLoopIsa);
