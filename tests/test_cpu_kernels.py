@@ -174,6 +174,7 @@ def test_nan_wins_min_and_max(dtype, op, loop_isa):
     assert expected.isnan().sum() == 13
     _same(k.reduce_final(red, 2, k.to_partial(a), b)[0], expected)
     _same(k.reduce_final(red, 2, a, b, elements=True)[0], expected)
+    _same(k.reduce_n(red, 2, [a, b]), expected)
     _same(k.reduce_partial(red, 2, a, b, elements=True),
           _combine(op, a.to(_acc(dtype)), b.to(_acc(dtype))))
 

@@ -220,9 +220,18 @@ void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
           return;
         }
       }
+      // Two sources of a half type (two ranks): one vector pass, as a ring's
+      // last step of two operands sent as elements; tiles for the rest.
+      size_t done = 0;
+      if constexpr (kHalf<T>) {
+        if (nsrc == 2) {
+          done = reduceFinalVector(spec.op, fin.divisor, d, nullptr, src[0], Incoming::Elements,
+                                   static_cast<const T*>(src[1]), count);
+        }
+      }
       A acc[kTileElems];
       [[maybe_unused]] A wide[kHalf<T> ? kTileElems : 1];
-      for (size_t base = 0; base < count; base += kTileElems) {
+      for (size_t base = done; base < count; base += kTileElems) {
         const size_t n = std::min(kTileElems, count - base);
         const T* s0 = static_cast<const T*>(src[0]) + base;
         if constexpr (kHalf<T>) {
