@@ -84,6 +84,13 @@ void vectorised(Body&& body) {
   loopsBaseline(body);
 }
 
+// dispatch(), each dtype x operator body run with the loops of the
+// instruction set in use.
+template <typename Body>
+void dispatchVectorised(const ReduceSpec& spec, Body&& body) {
+  dispatch(spec, [&](auto t, auto op) { vectorised([&] { body(t, op); }); });
+}
+
 } // namespace
 
 const char* toString(LoopIsa isa) {
@@ -135,124 +142,118 @@ void toPartial(const ReduceSpec& spec, void* dst, const void* src, size_t count)
 
 void reducePartial(const ReduceSpec& spec, void* dst, const void* in, Incoming incoming,
                    const void* local, size_t count) {
-  dispatch(spec, [&](auto t, auto op) {
-    vectorised([&] {
-      using T = decltype(t);
-      auto* d = static_cast<acc_t<T>*>(dst);
-      const auto* x = static_cast<const T*>(local);
-      if constexpr (kHalf<T>) {
-        float wide[kTileElems], inWide[kTileElems];
-        const size_t done = reducePartialVector(spec.op, d, in, incoming, x, count);
-        for (size_t base = done; base < count; base += kTileElems) {
-          const size_t n = std::min(kTileElems, count - base);
-          const float* p = incomingTile<T>(in, incoming, base, n, inWide);
-          widen(x + base, wide, n);
-          for (size_t i = 0; i < n; ++i) d[base + i] = op(p[i], wide[i]);
-        }
-      } else {
-        // Elements and partials are alike here: acc_t<T> is T.
-        const auto* p = static_cast<const T*>(in);
-        for (size_t i = 0; i < count; ++i) {
-          reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
-        }
+  dispatchVectorised(spec, [&](auto t, auto op) {
+    using T = decltype(t);
+    auto* d = static_cast<acc_t<T>*>(dst);
+    const auto* x = static_cast<const T*>(local);
+    if constexpr (kHalf<T>) {
+      float wide[kTileElems], inWide[kTileElems];
+      const size_t done = reducePartialVector(spec.op, d, in, incoming, x, count);
+      for (size_t base = done; base < count; base += kTileElems) {
+        const size_t n = std::min(kTileElems, count - base);
+        const float* p = incomingTile<T>(in, incoming, base, n, inWide);
+        widen(x + base, wide, n);
+        for (size_t i = 0; i < n; ++i) d[base + i] = op(p[i], wide[i]);
       }
-    });
+    } else {
+      // Elements and partials are alike here: acc_t<T> is T.
+      const auto* p = static_cast<const T*>(in);
+      for (size_t i = 0; i < count; ++i) {
+        reducePartialElem(d, p, x, static_cast<int64_t>(i), op);
+      }
+    }
   });
 }
 
 void reduceFinal(const ReduceSpec& spec, void* dst, void* dst2, const void* in,
                  Incoming incoming, const void* local, size_t count) {
-  dispatch(spec, [&](auto t, auto op) {
-    vectorised([&] {
-      using T = decltype(t);
-      const auto fin = finishFor<T>(spec);
-      auto* d = static_cast<T*>(dst);
-      auto* d2 = static_cast<T*>(dst2);
-      const auto* x = static_cast<const T*>(local);
-      if constexpr (kHalf<T>) {
-        float wide[kTileElems], inWide[kTileElems];
-        const size_t done =
-            reduceFinalVector(spec.op, fin.divisor, d, d2, in, incoming, x, count);
-        for (size_t base = done; base < count; base += kTileElems) {
-          const size_t n = std::min(kTileElems, count - base);
-          const float* p = incomingTile<T>(in, incoming, base, n, inWide);
-          widen(x + base, wide, n);
-          for (size_t i = 0; i < n; ++i) wide[i] = fin(op(p[i], wide[i]));
-          narrow(wide, d + base, n);
-          if (d2 != nullptr) std::memcpy(d2 + base, d + base, n * sizeof(T));
+  dispatchVectorised(spec, [&](auto t, auto op) {
+    using T = decltype(t);
+    const auto fin = finishFor<T>(spec);
+    auto* d = static_cast<T*>(dst);
+    auto* d2 = static_cast<T*>(dst2);
+    const auto* x = static_cast<const T*>(local);
+    if constexpr (kHalf<T>) {
+      float wide[kTileElems], inWide[kTileElems];
+      const size_t done =
+          reduceFinalVector(spec.op, fin.divisor, d, d2, in, incoming, x, count);
+      for (size_t base = done; base < count; base += kTileElems) {
+        const size_t n = std::min(kTileElems, count - base);
+        const float* p = incomingTile<T>(in, incoming, base, n, inWide);
+        widen(x + base, wide, n);
+        for (size_t i = 0; i < n; ++i) wide[i] = fin(op(p[i], wide[i]));
+        narrow(wide, d + base, n);
+        if (d2 != nullptr) std::memcpy(d2 + base, d + base, n * sizeof(T));
+      }
+    } else {
+      // Elements and partials are alike here: acc_t<T> is T.
+      const auto* p = static_cast<const T*>(in);
+      if (d2 == nullptr) {
+        for (size_t i = 0; i < count; ++i) {
+          d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
         }
       } else {
-        // Elements and partials are alike here: acc_t<T> is T.
-        const auto* p = static_cast<const T*>(in);
-        if (d2 == nullptr) {
-          for (size_t i = 0; i < count; ++i) {
-            d[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
-          }
-        } else {
-          for (size_t i = 0; i < count; ++i) {
-            d[i] = d2[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
-          }
+        for (size_t i = 0; i < count; ++i) {
+          d[i] = d2[i] = reduceFinalElem(p, x, static_cast<int64_t>(i), op, fin);
         }
       }
-    });
+    }
   });
 }
 
 void reduceN(const ReduceSpec& spec, void* dst, const void* const* src,
              int nsrc, size_t count) {
   PYDDP_CHECK(nsrc >= 1, "reduceN needs at least one source, got ", nsrc);
-  dispatch(spec, [&](auto t, auto op) {
-    vectorised([&] {
-      using T = decltype(t);
-      using A = acc_t<T>;
-      const auto fin = finishFor<T>(spec);
-      auto* d = static_cast<T*>(dst);
-      if constexpr (!kHalf<T>) {
-        // One or two sources (one and two ranks) in one pass: the tile's
-        // copy in and out would be two more passes than the reduction.
-        if (nsrc <= 2) {
-          const auto* s0 = static_cast<const T*>(src[0]);
-          const auto* s1 = static_cast<const T*>(src[nsrc - 1]);
-          if (nsrc == 1) {
-            for (size_t i = 0; i < count; ++i) d[i] = fin(s0[i]);
-          } else {
-            for (size_t i = 0; i < count; ++i) d[i] = fin(op(s0[i], s1[i]));
-          }
-          return;
-        }
-      }
-      // Two sources of a half type (two ranks): one vector pass, as a ring's
-      // last step of two operands sent as elements; tiles for the rest.
-      size_t done = 0;
-      if constexpr (kHalf<T>) {
-        if (nsrc == 2) {
-          done = reduceFinalVector(spec.op, fin.divisor, d, nullptr, src[0], Incoming::Elements,
-                                   static_cast<const T*>(src[1]), count);
-        }
-      }
-      A acc[kTileElems];
-      [[maybe_unused]] A wide[kHalf<T> ? kTileElems : 1];
-      for (size_t base = done; base < count; base += kTileElems) {
-        const size_t n = std::min(kTileElems, count - base);
-        const T* s0 = static_cast<const T*>(src[0]) + base;
-        if constexpr (kHalf<T>) {
-          widen(s0, acc, n);
-          for (int k = 1; k < nsrc; ++k) {
-            widen(static_cast<const T*>(src[k]) + base, wide, n);
-            for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], wide[i]);
-          }
-          for (size_t i = 0; i < n; ++i) acc[i] = fin(acc[i]);
-          narrow(acc, d + base, n);
+  dispatchVectorised(spec, [&](auto t, auto op) {
+    using T = decltype(t);
+    using A = acc_t<T>;
+    const auto fin = finishFor<T>(spec);
+    auto* d = static_cast<T*>(dst);
+    if constexpr (!kHalf<T>) {
+      // One or two sources (one and two ranks) in one pass: the tile's
+      // copy in and out would be two more passes than the reduction.
+      if (nsrc <= 2) {
+        const auto* s0 = static_cast<const T*>(src[0]);
+        const auto* s1 = static_cast<const T*>(src[nsrc - 1]);
+        if (nsrc == 1) {
+          for (size_t i = 0; i < count; ++i) d[i] = fin(s0[i]);
         } else {
-          for (size_t i = 0; i < n; ++i) acc[i] = s0[i];
-          for (int k = 1; k < nsrc; ++k) {
-            const T* sk = static_cast<const T*>(src[k]) + base;
-            for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], sk[i]);
-          }
-          for (size_t i = 0; i < n; ++i) d[base + i] = fin(acc[i]);
+          for (size_t i = 0; i < count; ++i) d[i] = fin(op(s0[i], s1[i]));
         }
+        return;
       }
-    });
+    }
+    // Two sources of a half type (two ranks): one vector pass, as a ring's
+    // last step of two operands sent as elements; tiles for the rest.
+    size_t done = 0;
+    if constexpr (kHalf<T>) {
+      if (nsrc == 2) {
+        done = reduceFinalVector(spec.op, fin.divisor, d, nullptr, src[0], Incoming::Elements,
+                                 static_cast<const T*>(src[1]), count);
+      }
+    }
+    A acc[kTileElems];
+    [[maybe_unused]] A wide[kHalf<T> ? kTileElems : 1];
+    for (size_t base = done; base < count; base += kTileElems) {
+      const size_t n = std::min(kTileElems, count - base);
+      const T* s0 = static_cast<const T*>(src[0]) + base;
+      if constexpr (kHalf<T>) {
+        widen(s0, acc, n);
+        for (int k = 1; k < nsrc; ++k) {
+          widen(static_cast<const T*>(src[k]) + base, wide, n);
+          for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], wide[i]);
+        }
+        for (size_t i = 0; i < n; ++i) acc[i] = fin(acc[i]);
+        narrow(acc, d + base, n);
+      } else {
+        for (size_t i = 0; i < n; ++i) acc[i] = s0[i];
+        for (int k = 1; k < nsrc; ++k) {
+          const T* sk = static_cast<const T*>(src[k]) + base;
+          for (size_t i = 0; i < n; ++i) acc[i] = op(acc[i], sk[i]);
+        }
+        for (size_t i = 0; i < n; ++i) d[base + i] = fin(acc[i]);
+      }
+    }
   });
 }
 
