@@ -198,11 +198,10 @@ def extension():
         sources=sources(cuda, TESTING),
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": cxx},
-        # libstdc++ by name, before the libraries the compiler driver appends: the shared
-        # runtime then resolves every C++ symbol, so a driver told -static-libstdc++ (some
-        # vendor images' wrappers add it) never pulls the archive in. BuildExtension below
-        # checks the outcome (pyddp/_runtime.py says why two runtimes break).
-        extra_link_args=[*sanitize, "-lstdc++"],
+        # The shared libstdc++ by file name, whatever archive the compiler would pick
+        # (runtime.LINK_RUNTIME says how). BuildExtension below checks the outcome
+        # (pyddp/_runtime.py says why two runtimes break).
+        extra_link_args=[*sanitize, runtime.LINK_RUNTIME],
         define_macros=[("PYDDP_WITH_TESTING", "1")] if TESTING else [],
     )
     if not cuda:

@@ -1,11 +1,13 @@
 """Whether a shared object brings its own copy of the C++ runtime.
 
 pyddp._C must use the ``libstdc++.so.6`` that torch already loaded. A
-compiler that links ``libstdc++.a`` into it (some vendor images wrap g++ to
-add ``-static-libstdc++``) gives the process two runtimes: the facets'
-template ids merge with the shared library's while the explicit
-specialisations' ids stay private, so writing an integer to a stream calls
-the wrong facet (a crash with g++ 13, an empty string with g++ 12).
+compiler that links ``libstdc++.a`` into it (a wrapper that adds
+``-static-libstdc++``, or one whose ``-B`` directory holds ``libstdc++.a``
+and no shared library, as the vendor CUDA image's g++ does) gives the
+process two runtimes: the facets' template ids merge with the shared
+library's while the explicit specialisations' ids stay private, so writing
+an integer to a stream calls the wrong facet (a crash with g++ 13, an empty
+string with g++ 12).
 
 setup.py runs this check on what it built, and ``import pyddp`` on what it is
 about to load, before loading it. Plain Python (no torch), so setup.py can
@@ -19,6 +21,12 @@ import struct
 from typing import BinaryIO, Iterator, List, Optional, Tuple
 
 RUNTIME = "libstdc++.so.6"
+# What setup.py links with: the shared runtime by its file name, before the
+# libraries the compiler driver appends, so that it resolves every C++ symbol
+# and no libstdc++.a is pulled in. A plain -lstdc++ would take the first
+# libstdc++ on the library path, which a wrapper's -B directory may make the
+# archive.
+LINK_RUNTIME = f"-l:{RUNTIME}"
 # std::locale::classic(): defined only by the runtime itself, and used by
 # every stream, so a module that defines it carries a runtime of its own.
 RUNTIME_SYMBOL = b"_ZNSt6locale7classicEv"
@@ -95,6 +103,7 @@ def own_runtime(path: str) -> Optional[str]:
     if not why:
         return None
     return (f"{path} carries its own C++ runtime: {' and '.join(why)}. Its compiler links "
-            "libstdc++ statically (-static-libstdc++), which gives the process two C++ "
-            "runtimes; rebuild pyddp with pyddp's setup.py, which links libstdc++ "
-            "dynamically whatever the compiler adds, or with a compiler that does not add it")
+            "libstdc++ statically (-static-libstdc++, or a libstdc++.a first on its library "
+            "path), which gives the process two C++ runtimes; rebuild pyddp with pyddp's "
+            "setup.py, which links libstdc++ dynamically whatever the compiler adds, or with "
+            "a compiler that does not add it")

@@ -21,7 +21,7 @@ import torch
 
 import pyddp
 from pyddp import _C
-from pyddp._runtime import RUNTIME, own_runtime
+from pyddp._runtime import LINK_RUNTIME, RUNTIME, own_runtime
 
 
 def _needed_libraries(path: str) -> set:
@@ -148,14 +148,39 @@ def test_own_runtime_tells_a_static_runtime_from_the_shared_one(runtimes):
     why = own_runtime(static)
     assert why == (f"{static} carries its own C++ runtime: it does not load {RUNTIME} and it "
                    "defines std::locale::classic (libstdc++.a was linked into it). Its "
-                   "compiler links libstdc++ statically (-static-libstdc++), which gives the "
-                   "process two C++ runtimes; rebuild pyddp with pyddp's setup.py, which links "
-                   "libstdc++ dynamically whatever the compiler adds, or with a compiler that "
-                   "does not add it")
+                   "compiler links libstdc++ statically (-static-libstdc++, or a libstdc++.a "
+                   "first on its library path), which gives the process two C++ runtimes; "
+                   "rebuild pyddp with pyddp's setup.py, which links libstdc++ dynamically "
+                   "whatever the compiler adds, or with a compiler that does not add it")
     ran = {name: subprocess.run([sys.executable, "-c", load, path], capture_output=True,
                                 text=True, timeout=120) for name, path in runtimes.items()}
     assert ran["shared"].returncode == 0 and ran["shared"].stdout == "12345\n", ran["shared"]
     assert ran["static"].returncode != 0 or ran["static"].stdout != "12345\n", ran["static"]
+
+
+def test_setup_links_the_shared_runtime_whatever_the_compiler_picks(tmp_path):
+    """Two compilers link libstdc++.a where nothing asks otherwise: a wrapper that appends
+    -static-libstdc++, and one whose -B directory holds libstdc++.a alone (the vendor CUDA
+    image's g++, where -lstdc++ finds the archive first). With the argument setup.py links
+    with, each makes a module that loads the process's runtime."""
+    archive = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True, check=True, timeout=60).stdout.strip()
+    assert os.path.isabs(archive), f"g++ has no libstdc++.a ({archive})"
+    gcc_dir = tmp_path / "gcc"
+    gcc_dir.mkdir()
+    (gcc_dir / "libstdc++.a").symlink_to(archive)
+    (tmp_path / "format.cpp").write_text(_FORMATS)
+    compilers = {"static": ["-static-libstdc++"], "archive first": [f"-B{gcc_dir}/"]}
+    # (compiler, link arguments, whether the module carries its own runtime)
+    cases = [("static", [], True), ("static", [LINK_RUNTIME], False),
+             ("archive first", [], True), ("archive first", ["-lstdc++"], True),
+             ("archive first", [LINK_RUNTIME], False)]
+    for compiler, link, own in cases:
+        module = str(tmp_path / "module.so")
+        subprocess.run(["g++", *compilers[compiler], "-shared", "-fPIC", "-O2",
+                        str(tmp_path / "format.cpp"), "-o", module, *link], check=True,
+                       timeout=120)
+        assert (own_runtime(module) is not None) == own, (compiler, link)
 
 
 def test_import_refuses_an_extension_with_its_own_runtime(runtimes, tmp_path):
