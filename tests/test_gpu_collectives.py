@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -202,6 +203,27 @@ def _auto_serves_both_devices(ctx: RankContext) -> str:
 def test_auto_group_serves_cpu_and_cuda_tensors(ranks):
     # Two processes on one host: cuda_ipc connects.
     assert ranks.run(_auto_serves_both_devices) == [{"cpu": "shm", "cuda": "cuda_ipc"}] * WORLD
+
+
+def _barrier_meets_on_both_engines(ctx: RankContext) -> tuple:
+    """The auto group's barrier once it has a CPU and a CUDA engine: it returns after
+    every rank entered it, with the CUDA engine's queued collectives done."""
+    pg, dev = ctx.groups["auto"], ctx.state["device"]
+    pg.all_reduce(torch.ones(3))
+    pending = pg.all_reduce(torch.ones(1 << 22, device=dev), async_op=True)
+    time.sleep(0.3 * ctx.rank)
+    entered = time.time()
+    pg.barrier()
+    left = time.time()
+    assert pending.is_completed(), "a CUDA all_reduce queued before the barrier is not done"
+    pg.barrier(async_op=True).wait()
+    return entered, left
+
+
+def test_barrier_meets_on_both_engines(ranks):
+    times = ranks.run(_barrier_meets_on_both_engines)
+    last_entry = max(entered for entered, _ in times)
+    assert all(left >= last_entry for _, left in times), times
 
 
 # Buckets of one parameter each and gradients as bucket views; no_sync micro-batches.

@@ -10,7 +10,8 @@
 # 16 cores, the build about 45 s of it):
 #   build  setup.py build_ext --inplace, CUDA forced (an impossible CUDA build
 #          fails here rather than testing a CPU-only one);
-#   tests  pytest -m cuda over tests/, 2 ranks sharing the GPU where there is
+#   tests  pytest -m cuda over tests/ (one line per test, so a step stopped at
+#          its bound still shows what passed), 2 ranks sharing the GPU where there is
 #          one, each test bounded by pytest-timeout when installed;
 #   bench  every CUDA transport of pyddp beside torch's NCCL, 4 KiB to 256 MiB,
 #          results checked on every rank (the bench exits 1 on a wrong element).
@@ -54,7 +55,7 @@ if python -c 'import pytest_timeout' 2>/dev/null; then timeout_flag=(--timeout 9
 
 if step build 240 env PYDDP_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
         python setup.py build_ext --inplace; then
-    step tests 180 python -m pytest -m cuda tests -q -rs -p no:cacheprovider \
+    step tests 180 python -m pytest -m cuda tests -v -rs -p no:cacheprovider \
         "${timeout_flag[@]}" --junitxml "$out/tests.xml"
     step bench 150 python -m pyddp.bench \
         --peers nccl,pyddp_ipc_ring,pyddp_ipc_direct,pyddp_nccl,pyddp_nccl_ring \
