@@ -3,7 +3,7 @@
 pyddp._C must use the ``libstdc++.so.6`` that torch already loaded. A
 compiler that links ``libstdc++.a`` into it (a wrapper that adds
 ``-static-libstdc++``, or one whose ``-B`` directory holds ``libstdc++.a``
-and no shared library, as the vendor CUDA image's g++ does) gives the
+and no usable shared one, as the vendor CUDA image's g++ does) gives the
 process two runtimes: the facets' template ids merge with the shared
 library's while the explicit specialisations' ids stay private, so writing
 an integer to a stream calls the wrong facet (a crash with g++ 13, an empty
