@@ -6,13 +6,19 @@
 #
 #     bash tests/gpu/check.sh            # logs in $OUT when set, else a temp dir
 #
+# Where the ranks share one GPU, start NVIDIA's MPS daemon first
+# (`nvidia-cuda-mps-control -d`; `echo quit | nvidia-cuda-mps-control` stops
+# it): without it the two processes take turns on the GPU, and the cuda_ipc
+# transport's waits between them crawl (docs/architecture.md, "What the GPU
+# runs so far showed"). The runs recorded there had it running.
+#
 # Steps, each bounded (the whole check fits in 6 minutes on one H100/H200 with
-# 16 cores, the build about 45 s of it):
+# 16 cores, the build about 55 s of it, the tests 115 s, the bench 85 s):
 #   build  setup.py build_ext --inplace, CUDA forced (an impossible CUDA build
 #          fails here rather than testing a CPU-only one);
 #   tests  pytest -m cuda over tests/ (one line per test, so a step stopped at
-#          its bound still shows what passed), 2 ranks sharing the GPU where there is
-#          one, each test bounded by pytest-timeout when installed;
+#          its bound still shows what passed), 2 ranks sharing the GPU where
+#          there is one, each test bounded by pytest-timeout when installed;
 #   bench  every CUDA transport of pyddp beside torch's NCCL, 4 KiB to 256 MiB,
 #          results checked on every rank (the bench exits 1 on a wrong element).
 # A step that fails or runs over its bound is reported and the next one runs.
