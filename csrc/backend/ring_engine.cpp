@@ -264,6 +264,8 @@ void RingEngine::inPlaceOr(const algorithms::Call& call, const void* mine, size_
   // Timed only if it ran the path picked: a view that maps every tensor
   // took neither.
   if (pick.timed && (pick.kernel ? view.throughKernel : !view.usable())) {
+    // the ring's time to where the kernel path's closing meeting ends it
+    if (!pick.kernel) mem->awaitRingTaken();
     cma_.observe(kind, perRank, pick.kernel,
                  std::chrono::duration<double, std::nano>(Clock::now() - start).count());
   }

@@ -590,6 +590,13 @@ char* ShmTransport::claimSendSlot() {
   return segments_[rank_].slots + (k % numSlots_) * slotBytes_;
 }
 
+void ShmTransport::awaitRingTaken() {
+  const int right = (rank_ + 1) % worldSize_;
+  const auto& consumed = header(right).consumed.value;
+  waitFor(right, pieceSpinPhase_,
+          [&] { return consumed.load(std::memory_order_acquire) >= sent_; });
+}
+
 void ShmTransport::postSend() {
   ++sent_;
   segments_[rank_].header->posted.value.store(sent_, std::memory_order_release);

@@ -261,6 +261,7 @@ class ShmTransport final : public Transport,
   std::string whyNotReadProcesses() const override { return processRefusal_; }
   void readProcess(int rank, void* dst, uint64_t address, size_t bytes) override;
   void writeProcess(int rank, uint64_t address, const void* src, size_t bytes) override;
+  void awaitRingTaken() override;
   // Copies made by readProcess() and writeProcess() (one that wrote any
   // byte) in this process so far: tests see through them which path a
   // collective took.

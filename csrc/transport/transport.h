@@ -140,6 +140,13 @@ class PeerMemory {
   virtual void writeProcess(int rank, uint64_t address, const void* src, size_t bytes) {
     PYDDP_CHECK(false, "this transport does not write peers' processes");
   }
+  // For the rank that times the ring's path against the kernel's
+  // (backend/cma_chooser.h): returns once the next rank has read every ring
+  // piece this rank sent. The ring lets a rank return before then, the
+  // kernel path's closing meeting does not.
+  virtual void awaitRingTaken() {
+    PYDDP_CHECK(false, "this transport does not read peers' processes");
+  }
 };
 
 // Where connections made after bootstrap (point-to-point channels, made on
