@@ -35,6 +35,7 @@ MIN_BYTES = 64 * 1024
 COUNT = MIN_BYTES // 4  # float32 elements per rank: exactly cma_min_bytes
 ALWAYS, AUTO, NEVER = pyddp.CmaReads.ALWAYS, pyddp.CmaReads.AUTO, pyddp.CmaReads.NEVER
 EVERY, RUN = _testing.CmaChooser.EXPLORE_EVERY, _testing.CmaChooser.EXPLORE_RUN
+FIRST, WINDOW = _testing.CmaChooser.FIRST_EXPLORE, _testing.CmaChooser.WINDOW
 CAP_SYS_PTRACE = 19  # capability(7)'s bit in /proc/self/status
 
 
@@ -424,24 +425,42 @@ def test_forced_modes_are_kept_and_not_timed():
         assert chooser.prefers_kernel("broadcast", SIZE) == kernel
 
 
+def _exploring(first: int, last: int) -> list:
+    """The calls from `first` to `last` (counted from 1) that explore: runs of
+    RUN from FIRST and its doublings below EVERY, then from every EVERY-th."""
+    starts = [FIRST << k for k in range(EVERY.bit_length()) if FIRST << k < EVERY]
+    starts += range(EVERY, last + 1, EVERY)
+    return [c for start in starts for c in range(start, start + RUN) if first <= c <= last]
+
+
+def test_the_exploring_runs_start_at_16_32_and_64_then_every_128():
+    assert (FIRST, EVERY, RUN) == (16, 128, 4)  # the schedule the tests below spell out
+    assert _exploring(1, 400) == [c for s in (16, 32, 64, 128, 256, 384)
+                                  for c in range(s, s + 4)]
+
+
 def test_auto_measures_both_paths_then_takes_the_cheaper_and_explores_the_other():
     chooser = _testing.CmaChooser(AUTO)
     # a run through the kernel, a run through the slots, then the cheaper:
     # the kernel (far cores)
     picks = _calls(chooser, KERNEL, SLOTS_FAR, 3 * EVERY + RUN)
     assert picks[:2 * RUN] == [True] * RUN + [False] * RUN
-    # a run of calls explores the slots from each EVERY-th call on
-    explored = [k * EVERY + i for k in (1, 2, 3) for i in range(RUN)]
+    # a run of calls explores the slots from calls FIRST, 2 FIRST, ... and
+    # each EVERY-th on
     assert [i + 1 for i, kernel in enumerate(picks) if not kernel] == \
-        list(range(RUN + 1, 2 * RUN + 1)) + explored
+        list(range(RUN + 1, 2 * RUN + 1)) + _exploring(2 * RUN + 1, 3 * EVERY + RUN)
     # The slots get cheaper (the cores moved near): the next exploration
     # measures them below the kernel, and they are taken from then on.
     chooser2 = _testing.CmaChooser(AUTO)
     _calls(chooser2, KERNEL, SLOTS_FAR, EVERY - 1)
     assert chooser2.prefers_kernel(KIND, SIZE)
-    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)  # the first, cold, is not timed
+    # the first, cold, is not timed; the next two are two of the three
+    # samples whose median is the estimate
+    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 2)
+    assert chooser2.prefers_kernel(KIND, SIZE)
+    _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, 1)
     assert not chooser2.prefers_kernel(KIND, SIZE)
-    assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, EVERY - 1) == [False] * (EVERY - 2) + [True]
+    assert _calls(chooser2, KERNEL, SLOTS_NEAR * 0.8, EVERY - 2) == [False] * (EVERY - 3) + [True]
 
 
 def _priced(chooser, n, cost):
@@ -462,8 +481,8 @@ def test_the_first_call_after_a_switch_is_not_timed():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_FAR, EVERY - 1)
     # The slots, explored, are 1.1x dearer than the kernel; the kernel's
-    # first call back costs 1.4x its own (cold caches): timed, it would
-    # look dearer than the slots.
+    # first call back costs 1.4x its own (cold caches): not a sample of
+    # what it costs.
     calls = _priced(chooser, RUN + 2, lambda i, kernel, switched:
                     (KERNEL if kernel else KERNEL * 1.1) * (1.4 if switched else 1.0))
     assert calls == [(False, False)] + [(False, True)] * (RUN - 1) + [(True, False), (True, True)]
@@ -481,14 +500,56 @@ def test_an_exploring_run_is_judged_by_its_warm_calls():
     assert not chooser.prefers_kernel(KIND, SIZE)
 
 
-def test_a_preferred_path_that_gets_dearer_is_left_within_a_few_calls():
+def test_a_first_pick_from_cold_calls_is_looked_at_again_within_a_few_calls():
+    # The kernel's first calls cost 1.6x its later ones and as much as the
+    # slots (all_reduce of 4 MiB per rank, far cores): the slots are picked
+    # after the first runs, and the kernel is taken from its first
+    # exploring run on, FIRST calls in.
     chooser = _testing.CmaChooser(AUTO)
-    _calls(chooser, KERNEL, SLOTS_NEAR * 1.2, 10)
+    picks = _priced(chooser, FIRST + 2 * RUN, lambda i, kernel, switched:
+                    (KERNEL * 1.6 if i < RUN else KERNEL) if kernel else KERNEL * 1.55)
+    assert [kernel for kernel, _ in picks[2 * RUN:FIRST - 1]] == [False] * (FIRST - 1 - 2 * RUN)
+    assert [kernel for kernel, _ in picks[FIRST - 1:]] == [True] * (2 * RUN + 1)
     assert chooser.prefers_kernel(KIND, SIZE)
-    # The kernel copy gets 2x dearer (the machine's other jobs): each sample
-    # raises its floor by at most 1.5x, so the slots win within two calls.
-    picks = _calls(chooser, 2 * KERNEL, SLOTS_NEAR * 1.2, 3)
-    assert picks[-1] is False and not chooser.prefers_kernel(KIND, SIZE)
+
+
+def test_a_preferred_path_that_gets_dearer_is_left_within_a_window_of_calls():
+    chooser = _testing.CmaChooser(AUTO)
+    # past the exploring run from call EVERY // 2, the last before call
+    # EVERY, and the first call back (not timed)
+    _calls(chooser, KERNEL, SLOTS_NEAR * 1.2, EVERY // 2 + RUN)
+    assert chooser.prefers_kernel(KIND, SIZE)
+    # The kernel copy gets 2x dearer (the machine's other jobs): its estimate
+    # is the median of its last WINDOW samples, so it stays while most of
+    # them are the cheaper ones, and the slots win at the next call.
+    picks = _calls(chooser, 2 * KERNEL, SLOTS_NEAR * 1.2, WINDOW // 2 + 2)
+    assert picks == [True] * (WINDOW // 2 + 1) + [False]
+    assert not chooser.prefers_kernel(KIND, SIZE)
+
+
+def test_a_path_is_ranked_by_the_median_of_its_recent_samples():
+    # Samples that spread up to 1.4x above each path's cost, the slots' 1.4x
+    # the kernel's: ranked by their latest sample, the two swapped places
+    # now and then; by the median of the window, the kernel is kept.
+    chooser = _testing.CmaChooser(AUTO)
+    spread = [1.1, 1.0, 1.4, 1.3, 1.05, 1.2]
+    picks = _priced(chooser, 3 * EVERY, lambda i, kernel, switched:
+                    (KERNEL if kernel else KERNEL * 1.4) * spread[i % len(spread)])
+    slots = [i + 1 for i, (kernel, _) in enumerate(picks) if not kernel]
+    assert slots[RUN:] == _exploring(2 * RUN + 1, 3 * EVERY)
+
+
+def test_a_lucky_low_sample_of_the_other_path_does_not_move_the_choice():
+    # The slots cost 1.3x the kernel, but the first timed call of an
+    # exploring run of them took 0.9x (measured: the slots' first calls
+    # after the kernel's, 46-50 us against 55-63 later): a floor of the
+    # window would take the slots for a window of calls.
+    chooser = _testing.CmaChooser(AUTO)
+    _calls(chooser, KERNEL, KERNEL * 1.3, EVERY - 1)
+    picks = _priced(chooser, RUN + WINDOW, lambda i, kernel, switched:
+                    KERNEL if kernel else KERNEL * (0.9 if i == 1 else 1.3))
+    assert [kernel for kernel, _ in picks] == [False] * RUN + [True] * WINDOW
+    assert chooser.prefers_kernel(KIND, SIZE)
 
 
 def test_one_slow_call_does_not_move_the_choice():
@@ -501,8 +562,11 @@ def test_one_slow_call_does_not_move_the_choice():
 def test_a_near_tie_keeps_the_slots():
     advantage = _testing.CmaChooser.KERNEL_ADVANTAGE
     chooser = _testing.CmaChooser(AUTO)
-    picks = _calls(chooser, KERNEL, KERNEL * advantage * 0.99, EVERY + RUN + 3)
-    assert picks[2 * RUN:] == [False] * (EVERY - 1 - 2 * RUN) + [True] * RUN + [False] * 4
+    n = EVERY + RUN + 3
+    picks = _calls(chooser, KERNEL, KERNEL * advantage * 0.99, n)
+    # the kernel only where a run explores it
+    explored = _exploring(2 * RUN + 1, n)
+    assert [i + 1 for i, kernel in enumerate(picks) if kernel and i >= 2 * RUN] == explored
     chooser2 = _testing.CmaChooser(AUTO)
     _calls(chooser2, KERNEL, KERNEL * advantage * 1.05, 2 * RUN)
     assert chooser2.prefers_kernel(KIND, SIZE)
@@ -513,8 +577,9 @@ def test_the_kernel_once_taken_is_kept_while_it_is_cheaper_at_all():
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, SLOTS_FAR, 10)
     assert chooser.prefers_kernel(KIND, SIZE)
-    # the slots get within 1.1x of the kernel: explored twice, never taken
-    assert _calls(chooser, KERNEL, KERNEL * 1.1, 2 * EVERY).count(False) == 2 * RUN
+    # the slots get within 1.1x of the kernel: explored, never taken
+    assert _calls(chooser, KERNEL, KERNEL * 1.1, 2 * EVERY).count(False) == \
+        len(_exploring(11, 2 * EVERY + 10))
     assert chooser.prefers_kernel(KIND, SIZE)
     # the slots get cheaper: taken from their next exploration on (call
     # 3 * EVERY; these are calls 2 * EVERY + 11 on)

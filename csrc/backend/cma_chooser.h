@@ -11,8 +11,8 @@
 // KiB to 4 MiB per rank the kernel copy won every round of one batch and
 // lost most of the next (benchmarks/README.md, "Single copy through the
 // kernel"). So the choice follows an estimate of nanoseconds per byte of
-// each path, per collective kind and power-of-two size, the floor of its
-// recent times (common/floor_estimate.h); it takes the kernel once that is
+// each path, per collective kind and power-of-two size, the median of its
+// recent times (common/cost_estimate.h); it takes the kernel once that is
 // clearly cheaper, keeps it while it is cheaper at all, takes the slots
 // otherwise and, for a short run of calls now and then, the other path, to
 // notice a change.
@@ -26,9 +26,10 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "common/check.h"
-#include "common/floor_estimate.h"
+#include "common/cost_estimate.h"
 #include "common/types.h"
 
 namespace pyddp {
@@ -42,18 +43,51 @@ class CmaChooser {
   // through the slots took 2.1-2.5x on each of its first two calls, 1.0-1.5x
   // on the fourth (benchmarks/side_by_side.py switches). An estimate from a
   // lone call kept a path that took 1.2x a run of the other (side_by_side.py
-  // cma); so the first call after a switch is not timed, and the floor of
-  // the others is set by the warm ones. The worse path cost up to 2x the
+  // cma); so the first call after a switch is not timed, and the estimate
+  // is set by the warm ones. The worse path cost up to 2x the
   // better one in those measurements, so exploring costs about 3-5%, and a
   // change that makes that path the cheaper one is noticed within 128 calls
   // of a size.
+  //
+  // Before that, exploring runs start at calls 16, 32 and 64 (kFirstExplore
+  // and its doublings): the first runs of a size measure each path on the
+  // first calls of a job, which may still be paying for work that later
+  // calls do not (all_reduce of 4 MiB per rank on far cores: the kernel's
+  // first round of about 16 calls took 1246 us a call, its later ones
+  // 776-836, the slots 1190-1305 throughout; with its next look at the
+  // kernel at call 128, auto stayed on the slots for all of about 130
+  // calls, 1.45-1.63x the kernel's time, benchmarks/side_by_side.py cma).
+  // A pick made from the first runs is now looked at again after 7 calls;
+  // the extra looks cost the other path's time on 12 of the first 128.
   static constexpr uint64_t kExploreEvery = 128;
   static constexpr uint64_t kExploreRun = 4;
-  // The first runs, one per path, end before the first exploring one.
-  static_assert(kExploreEvery > 2 * kExploreRun);
-  // A higher sample raises an estimate by at most this factor: as the slot
-  // stores' (transport/slot_stores.h), whose noise is the same kind.
-  static constexpr double kMaxRise = 1.5;
+  static constexpr uint64_t kFirstExplore = 16;
+  // The first runs, one per path, end before the first exploring one, and
+  // the doublings of kFirstExplore reach kExploreEvery.
+  static_assert(kFirstExplore > 2 * kExploreRun && kFirstExplore < kExploreEvery);
+  static_assert(std::has_single_bit(kFirstExplore) && std::has_single_bit(kExploreEvery));
+
+  // Whether an exploring run starts at the `call`-th call of a size
+  // (counted from 1).
+  static constexpr bool exploresFrom(uint64_t call) {
+    return call % kExploreEvery == 0 ||
+        (call >= kFirstExplore && call < kExploreEvery && std::has_single_bit(call));
+  }
+  // Each path's estimate is the median of its last kWindow samples (a
+  // sample counts as it is: the window, not a cap on rises, keeps one slow
+  // call from moving it). Where the two paths are close, one sample of each
+  // ranked them wrong often: all_gather of 512 KiB per rank on near cores,
+  // the kernel 55-66 us a call and the slots 59-76 in loops of each path,
+  // auto took the kernel in 0 to 76 of each round's 76 calls when the
+  // estimate was the latest sample (its rise capped at 1.5x), for
+  // 0.92-1.14x the kernel's time. The floor of the window instead followed
+  // lucky low samples: the slots' first calls after the kernel's took 46-50
+  // us, their later ones 55-63. With 3, the three timed calls of one
+  // exploring run set the estimate of the path it explores (a change that
+  // makes it the cheaper one is still noticed at the next run, and two warm
+  // calls outvote a cold one), one lucky call does not, and a rise of the
+  // preferred path is followed within 2 calls.
+  static constexpr int kWindow = 3;
   // The kernel is taken once its estimate is more than this much below the
   // slots', and kept while it is below at all. Each estimate follows its
   // path's noise, so with one threshold the choice flipped back and forth
@@ -106,12 +140,14 @@ class CmaChooser {
   static constexpr int kSlots = 0;
   static constexpr int kKernel = 1;
   static constexpr int kSizes = 64;  // powers of two of a size_t
+  static constexpr double kNoCap = std::numeric_limits<double>::infinity();
 
   struct Size {
-    FloorEstimate cost[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
+    CostEstimate cost[2] = {CostEstimate(kNoCap, kWindow), CostEstimate(kNoCap, kWindow)};
     uint64_t calls = 0;
     bool kernel = false;  // the path preferred: the slots until both are measured
     bool exploreKernel = false;  // the path the latest exploring run takes
+    uint64_t exploreEnd = 0;     // the first call after it
     bool lastKernel = false;  // the path of the call before
   };
 
@@ -121,11 +157,13 @@ class CmaChooser {
     // Each path is measured over a run before either is preferred.
     if (s.calls <= kExploreRun) return true;
     if (s.calls <= 2 * kExploreRun) return false;
-    // A run explores from each kExploreEvery-th call on, on the path not
+    // A run explores from each call exploresFrom() names, on the path not
     // preferred at its start, even if the run makes it the preferred one.
-    const uint64_t intoCycle = s.calls % kExploreEvery;
-    if (intoCycle == 0) s.exploreKernel = !s.kernel;
-    return intoCycle < kExploreRun ? s.exploreKernel : s.kernel;
+    if (exploresFrom(s.calls)) {
+      s.exploreKernel = !s.kernel;
+      s.exploreEnd = s.calls + kExploreRun;
+    }
+    return s.calls < s.exploreEnd ? s.exploreKernel : s.kernel;
   }
 
   // The path preferred after the latest sample, from the one preferred before.

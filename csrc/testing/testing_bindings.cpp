@@ -204,6 +204,8 @@ void bindTesting(py::module_& m) {
                   [](const std::string& kind) { return CmaChooser::chooses(kindNamed(kind)); })
       .def_readonly_static("EXPLORE_EVERY", &CmaChooser::kExploreEvery)
       .def_readonly_static("EXPLORE_RUN", &CmaChooser::kExploreRun)
+      .def_readonly_static("FIRST_EXPLORE", &CmaChooser::kFirstExplore)
+      .def_readonly_static("WINDOW", &CmaChooser::kWindow)
       .def_readonly_static("KERNEL_ADVANTAGE", &CmaChooser::kKernelAdvantage);
   t.attr("has_streaming_stores") = kernels::kHasStreamingStores;
   t.def("streaming_copy", [](at::Tensor dst, const at::Tensor& src, size_t dstOffset,

@@ -33,7 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/floor_estimate.h"
+#include "common/cost_estimate.h"
 #include "common/types.h"
 #include "kernels/cpu.h"
 
@@ -91,7 +91,7 @@ class SlotStoreChooser {
   // against 2.8-3.7; benchmarks/README.md, "Streaming stores for staged
   // chunks").
   static constexpr double kStagedStreamingAdvantage = 6;
-  // Each kind's estimate is the floor of its times (common/floor_estimate.h),
+  // Each kind's estimate is the floor of its times (common/cost_estimate.h),
   // which a higher sample raises by at most this factor. With a moving
   // average, noise (DDP's backward on the same core) counted most against
   // the kind sampled most, the preferred one, and `python -m pyddp.bench
@@ -155,7 +155,7 @@ class SlotStoreChooser {
   const size_t minChosenBytes_;
   const double streamingAdvantage_;
   uint64_t writes_ = 0;  // chosen writes of local pieces so far
-  FloorEstimate cost_[2] = {FloorEstimate(kMaxRise), FloorEstimate(kMaxRise)};
+  CostEstimate cost_[2] = {CostEstimate(kMaxRise), CostEstimate(kMaxRise)};
 };
 
 } // namespace pyddp
