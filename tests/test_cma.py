@@ -541,9 +541,9 @@ def test_a_path_is_ranked_by_the_median_of_its_recent_samples():
 
 def test_a_lucky_low_sample_of_the_other_path_does_not_move_the_choice():
     # The slots cost 1.3x the kernel, but the first timed call of an
-    # exploring run of them took 0.9x (measured: the slots' first calls
-    # after the kernel's, 46-50 us against 55-63 later): a floor of the
-    # window would take the slots for a window of calls.
+    # exploring run of them took 0.9x (measured: the slots' first timed
+    # calls after the kernel's, 46-51 us against 52-60 later): a floor of
+    # the window would take the slots for a window of calls.
     chooser = _testing.CmaChooser(AUTO)
     _calls(chooser, KERNEL, KERNEL * 1.3, EVERY - 1)
     picks = _priced(chooser, RUN + WINDOW, lambda i, kernel, switched:

@@ -81,8 +81,8 @@ class CmaChooser {
   // auto took the kernel in 0 to 76 of each round's 76 calls when the
   // estimate was the latest sample (its rise capped at 1.5x), for
   // 0.92-1.14x the kernel's time. The floor of the window instead followed
-  // lucky low samples: the slots' first calls after the kernel's took 46-50
-  // us, their later ones 55-63. With 3, the three timed calls of one
+  // lucky low samples: the slots' first timed calls after the kernel's took
+  // 46-51 us, their later ones 52-60. With 3, the three timed calls of one
   // exploring run set the estimate of the path it explores (a change that
   // makes it the cheaper one is still noticed at the next run, and two warm
   // calls outvote a cold one), one lucky call does not, and a rise of the
