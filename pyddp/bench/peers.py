@@ -277,7 +277,6 @@ class _PyddpPeer:
     _transport: ClassVar[str]
     _algo: ClassVar[Optional[str]] = None
     _cuda: ClassVar[bool]
-    _nccl: ClassVar[bool] = False  # runs over NCCL communicators
     _messages: ClassVar[bool] = True
 
     def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
@@ -296,7 +295,8 @@ class _PyddpPeer:
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
         if cls._cuda:
-            reason = _cuda_reason(ctx, nccl=cls._nccl)
+            # "nccl" and "nccl_ring" run over NCCL communicators
+            reason = _cuda_reason(ctx, nccl=cls._transport.startswith("nccl"))
             if reason is not None:
                 return reason
         available = tuple(getattr(pyddp, "BACKENDS", ()))
@@ -406,7 +406,6 @@ class PyddpNcclPeer(_PyddpPeer):
     name = "pyddp_nccl"
     _transport = "nccl"
     _cuda = True
-    _nccl = True
 
 
 class PyddpNcclRingPeer(_PyddpPeer):
@@ -415,7 +414,6 @@ class PyddpNcclRingPeer(_PyddpPeer):
     name = "pyddp_nccl_ring"
     _transport = "nccl_ring"
     _cuda = True
-    _nccl = True
     _messages = False
 
 
