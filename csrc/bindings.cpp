@@ -10,6 +10,8 @@
 #include <torch/python.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <array>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -119,20 +121,35 @@ py::object issue(bool asyncOp, const std::optional<std::chrono::milliseconds>& t
 }
 
 // The synchronous entries of the calls that carry small messages, for
-// pyddp's ProcessGroup: builtins bound to one engine (METH_FASTCALL, a
-// capsule holding the engine as their self) that take ProcessGroup's
-// arguments as they are and sort them out here, where it costs less than
-// in Python. Through pybind's dispatcher (a bound method made per call,
-// keyword matching, a type lookup per argument) a barrier of one rank took
-// 544 ns through ProcessGroup, and 325 ns through these. Each returns None
-// when it ran the call, and NotImplemented for arguments it does not take
-// (not a tensor of the engine's device, an op that is not one of the
-// members it was given, a src that is not an int rank of the group): the
-// caller then takes the general path, which checks and reports. Errors
-// reach Python as torch's translation makes them for every pybind entry.
+// pyddp's ProcessGroup, which sets each on the group object under the name
+// of its method: builtins bound to one engine (METH_FASTCALL, a capsule
+// holding the engine as their self) that take the method's arguments as
+// they are and sort them out here, where it costs less than in Python.
+// Through pybind's dispatcher (a bound method made per call, keyword
+// matching, a type lookup per argument) a barrier of one rank took 544 ns
+// through ProcessGroup, and 325 ns through these; the method's own Python
+// frame in front of them was another 45 ns of a 2-rank barrier's 450 and
+// 115 of a 4 KiB all_reduce's 1650 (loops of each, interleaved). An entry
+// runs a call whose arguments are the method's (by position or keyword)
+// with async_op False or left out, a tensor of the engine's device, an op
+// that is one of the members it was given (SUM when left out) and a src
+// that is an int rank of the group; it passes every other call on, as
+// given, to the method's general path (`general`), which checks and
+// reports. Errors reach Python as torch's translation makes them for every
+// pybind entry.
 namespace direct {
 
 constexpr const char* kCapsule = "pyddp.DirectEntries";
+
+// The entries, in kEntries' order.
+enum EntryIndex : size_t {
+  kAllReduceEntry,
+  kAllGatherSingleEntry,
+  kReduceScatterSingleEntry,
+  kBroadcastEntry,
+  kBarrierEntry,
+  kNumEntries
+};
 
 // What the entries' capsule holds. Destroyed by the capsule, with the GIL.
 struct Bound {
@@ -140,19 +157,16 @@ struct Bound {
   // ReduceOp's members, compared by identity (hashing a member calls a
   // Python-level pybind11 function), each with its RedOp.
   std::vector<std::pair<py::object, RedOp>> ops;
+  // By entry: what takes the calls the entry passes on.
+  std::array<py::object, kNumEntries> general;
 };
 
 const Bound& boundOf(PyObject* self) {
   return *static_cast<const Bound*>(PyCapsule_GetPointer(self, kCapsule));
 }
 
-void expectArgs(const char* call, Py_ssize_t nargs, Py_ssize_t expected) {
-  PYDDP_CHECK_TYPE(nargs == expected, call, " takes ", expected, " positional arguments (",
-                   nargs, " given)");
-}
-
-// What a positional argument of an entry converts to, if it is one the
-// entry takes (std::nullopt if not).
+// What an argument of an entry converts to, given or left out (nullptr),
+// if it is one the entry takes (std::nullopt if not).
 struct TensorArg {
   // A reference of the entry's own, taken and dropped with the GIL held. A
   // tensor that Python holds gains a reference to its PyObject when C++
@@ -162,7 +176,7 @@ struct TensorArg {
   // gave back the GIL once per call (one rank, 4 KiB all_reduce through
   // ProcessGroup: 1160 -> 1025 ns, interleaved runs of each).
   static std::optional<at::Tensor> from(const Bound& b, PyObject* arg) {
-    if (!THPVariable_Check(arg)) return std::nullopt;
+    if (arg == nullptr || !THPVariable_Check(arg)) return std::nullopt;
     const at::Tensor& t = THPVariable_Unpack(arg);
     if (t.device() != b.engine->device()) return std::nullopt;
     return t;
@@ -170,6 +184,7 @@ struct TensorArg {
 };
 struct OpArg {
   static std::optional<RedOp> from(const Bound& b, PyObject* arg) {
+    if (arg == nullptr) return RedOp::Sum;  // the methods' default
     for (const auto& [member, op] : b.ops) {
       if (member.ptr() == arg) return op;
     }
@@ -178,7 +193,7 @@ struct OpArg {
 };
 struct RankArg {
   static std::optional<int> from(const Bound& b, PyObject* arg) {
-    if (!PyLong_CheckExact(arg)) return std::nullopt;  // not a bool either
+    if (arg == nullptr || !PyLong_CheckExact(arg)) return std::nullopt;  // not a bool either
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(arg, &overflow);
     if (overflow != 0 || value < 0 || value >= b.engine->getSize()) return std::nullopt;
@@ -186,57 +201,101 @@ struct RankArg {
   }
 };
 
-// The entry `Name`: the engine's `Method` on positional arguments of the
-// kinds `Args`, converted in order while the GIL is held, then run as a
-// synchronous call (the GIL released).
-template <const char* Name, auto Method, typename... Args>
-PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+// Sets given[i] to the argument of parameter params[i] (nullptr: left out)
+// from a vectorcall's positional arguments and keywords; false if they do
+// not fit the parameters (too many, or a keyword that is not one of them or
+// names a parameter given by position).
+template <size_t N>
+bool sortArgs(const char* const* params, PyObject* const* args, Py_ssize_t nargs,
+              PyObject* kwnames, std::array<PyObject*, N>& given) {
+  if (nargs > static_cast<Py_ssize_t>(N)) return false;
+  std::copy(args, args + nargs, given.begin());
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t j = 0; j < nkw; ++j) {
+    PyObject* key = PyTuple_GET_ITEM(kwnames, j);
+    size_t i = 0;
+    while (i < N && PyUnicode_CompareWithASCIIString(key, params[i]) != 0) ++i;
+    if (i == N || given[i] != nullptr) return false;
+    given[i] = args[nargs + j];
+  }
+  return true;
+}
+
+// Entry `I`: the engine's `Method` on arguments of the kinds `Args`, named
+// `Params` (async_op last, after them), converted in order while the GIL is
+// held, then run as a synchronous call (the GIL released).
+template <size_t I, const char* const* Params, auto Method, typename... Args>
+PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  expectArgs(Name, nargs, sizeof...(Args));
+  constexpr size_t kAsync = sizeof...(Args);
   const Bound& bound = boundOf(self);
-  return [&]<size_t... I>(std::index_sequence<I...>) -> PyObject* {
-    const std::tuple<decltype(Args::from(bound, args[I]))...> values{
-        Args::from(bound, args[I])...};
-    if (!(std::get<I>(values).has_value() && ...)) Py_RETURN_NOTIMPLEMENTED;
-    Engine& engine = *bound.engine;
-    runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
-      return (engine.*Method)(*std::get<I>(values)..., c);
-    });
-    Py_RETURN_NONE;
-  }(std::index_sequence_for<Args...>{});
+  std::array<PyObject*, kAsync + 1> given{};
+  if (sortArgs(Params, args, nargs, kwnames, given) &&
+      (given[kAsync] == nullptr || given[kAsync] == Py_False)) {
+    const bool ran = [&]<size_t... K>(std::index_sequence<K...>) {
+      const std::tuple<decltype(Args::from(bound, nullptr))...> values{
+          Args::from(bound, given[K])...};
+      if (!(std::get<K>(values).has_value() && ...)) return false;
+      Engine& engine = *bound.engine;
+      runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
+        return (engine.*Method)(*std::get<K>(values)..., c);
+      });
+      return true;
+    }(std::index_sequence_for<Args...>{});
+    if (ran) Py_RETURN_NONE;
+  }
+  return PyObject_Vectorcall(bound.general[I].ptr(), args, nargs, kwnames);
   END_HANDLE_TH_ERRORS
 }
 
-template <PyObject* (*F)(PyObject*, PyObject* const*, Py_ssize_t)>
+template <auto F>
 PyCFunction fastcall() {
   return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(F));
 }
 
-constexpr char kAllReduce[] = "all_reduce";
-constexpr char kAllGatherSingle[] = "all_gather_single";
-constexpr char kReduceScatterSingle[] = "reduce_scatter_single";
-constexpr char kBroadcast[] = "broadcast";
-constexpr char kBarrier[] = "barrier";
+constexpr char kTensor[] = "tensor";
+constexpr char kOp[] = "op";
+constexpr char kOutput[] = "output";
+constexpr char kInput[] = "input";
+constexpr char kSrc[] = "src";
+constexpr char kAsyncOp[] = "async_op";
+constexpr const char* kAllReduceParams[] = {kTensor, kOp, kAsyncOp};
+constexpr const char* kAllGatherSingleParams[] = {kOutput, kInput, kAsyncOp};
+constexpr const char* kReduceScatterSingleParams[] = {kOutput, kInput, kOp, kAsyncOp};
+constexpr const char* kBroadcastParams[] = {kTensor, kSrc, kAsyncOp};
+constexpr const char* kBarrierParams[] = {kAsyncOp};
 
-PyMethodDef kEntries[] = {
-    {kAllReduce, fastcall<entry<kAllReduce, &Engine::allReduce, TensorArg, OpArg>>(),
-     METH_FASTCALL, "all_reduce(tensor, op)"},
-    {kAllGatherSingle,
-     fastcall<entry<kAllGatherSingle, &Engine::allGatherSingle, TensorArg, TensorArg>>(),
-     METH_FASTCALL, "all_gather_single(output, input)"},
-    {kReduceScatterSingle,
-     fastcall<entry<kReduceScatterSingle, &Engine::reduceScatterSingle, TensorArg, TensorArg,
-                    OpArg>>(),
-     METH_FASTCALL, "reduce_scatter_single(output, input, op)"},
-    {kBroadcast, fastcall<entry<kBroadcast, &Engine::broadcastFrom, TensorArg, RankArg>>(),
-     METH_FASTCALL, "broadcast(tensor, src)"},
-    {kBarrier, fastcall<entry<kBarrier, &Engine::barrierAll>>(), METH_FASTCALL, "barrier()"},
+constexpr int kFlags = METH_FASTCALL | METH_KEYWORDS;
+PyMethodDef kEntries[kNumEntries] = {
+    {"all_reduce",
+     fastcall<entry<kAllReduceEntry, kAllReduceParams, &Engine::allReduce, TensorArg, OpArg>>(),
+     kFlags, "ProcessGroup.all_reduce(tensor, op=ReduceOp.SUM, async_op=False)"},
+    {"all_gather_single",
+     fastcall<entry<kAllGatherSingleEntry, kAllGatherSingleParams, &Engine::allGatherSingle,
+                    TensorArg, TensorArg>>(),
+     kFlags, "ProcessGroup.all_gather_single(output, input, async_op=False)"},
+    {"reduce_scatter_single",
+     fastcall<entry<kReduceScatterSingleEntry, kReduceScatterSingleParams,
+                    &Engine::reduceScatterSingle, TensorArg, TensorArg, OpArg>>(),
+     kFlags, "ProcessGroup.reduce_scatter_single(output, input, op=ReduceOp.SUM, async_op=False)"},
+    {"broadcast",
+     fastcall<entry<kBroadcastEntry, kBroadcastParams, &Engine::broadcastFrom, TensorArg,
+                    RankArg>>(),
+     kFlags, "ProcessGroup.broadcast(tensor, src, async_op=False)"},
+    {"barrier", fastcall<entry<kBarrierEntry, kBarrierParams, &Engine::barrierAll>>(), kFlags,
+     "ProcessGroup.barrier(async_op=False)"},
 };
 
-// The entries bound to `engine` and `ops`, by name; each keeps both alive.
+// The entries bound to `engine` and `ops`, by name, each passing what it
+// does not take to general[name]; each keeps all of them alive.
 py::dict entriesOf(const c10::intrusive_ptr<Engine>& engine,
-                   std::vector<std::pair<py::object, RedOp>> ops) {
-  auto held = std::make_unique<Bound>(Bound{engine, std::move(ops)});
+                   std::vector<std::pair<py::object, RedOp>> ops, const py::dict& general) {
+  auto held = std::make_unique<Bound>(Bound{engine, std::move(ops), {}});
+  for (size_t i = 0; i < kNumEntries; ++i) {
+    const char* name = kEntries[i].ml_name;
+    PYDDP_CHECK_VALUE(general.contains(name), "direct_entries: general has no entry ", name);
+    held->general[i] = general[name];
+  }
   const auto capsule = py::reinterpret_steal<py::object>(
       PyCapsule_New(held.get(), kCapsule, [](PyObject* capsule) {
         delete static_cast<Bound*>(PyCapsule_GetPointer(capsule, kCapsule));
@@ -416,11 +475,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, py::arg("timeout"), py::arg("wait_all_ranks"),
          "c10d's monitoredBarrier: rank 0 names the ranks that did not arrive in `timeout` "
          "(None: the group's).")
-      .def("direct_entries", &direct::entriesOf, py::arg("ops"),
-           "The synchronous entries for this engine's tensors, by name: all_reduce(tensor, "
-           "op), all_gather_single(output, input), reduce_scatter_single(output, input, op), "
-           "broadcast(tensor, src), barrier(); `ops` pairs the objects taken as op with "
-           "their RedOp. Each returns None, or NotImplemented for arguments it does not take.")
+      .def("direct_entries", &direct::entriesOf, py::arg("ops"), py::arg("general"),
+           "The synchronous entries for this engine's tensors, by name, with ProcessGroup's "
+           "signatures: all_reduce, all_gather_single, reduce_scatter_single, broadcast, "
+           "barrier; `ops` pairs the objects taken as op with their RedOp. Each runs a "
+           "synchronous call on arguments it takes and returns None, and passes any other "
+           "call on, as given, to `general`'s callable of its name.")
       .def("shutdown", &Engine::shutdown, release)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);

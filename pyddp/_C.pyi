@@ -104,11 +104,14 @@ class Engine(Backend):
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
     def recv(self, tensor: torch.Tensor, src: int, tag: int, async_op: bool,
              timeout: Optional[timedelta] = ...) -> Optional[Work]: ...
-    def direct_entries(self, ops: List[Tuple[object, RedOp]]) -> Dict[str, Callable[..., object]]:
-        """Synchronous, positional-only entries for this engine's tensors, op one of the
-        objects ``ops`` pairs with a RedOp: all_reduce(tensor, op), all_gather_single(output,
-        input), reduce_scatter_single(output, input, op), broadcast(tensor, src), barrier().
-        Each returns None, or NotImplemented for arguments it does not take."""
+    def direct_entries(self, ops: List[Tuple[object, RedOp]],
+                       general: Dict[str, Callable[..., object]]
+                       ) -> Dict[str, Callable[..., object]]:
+        """Synchronous entries for this engine's tensors with ProcessGroup's signatures, op
+        one of the objects ``ops`` pairs with a RedOp: all_reduce, all_gather_single,
+        reduce_scatter_single, broadcast, barrier. Each runs a synchronous call on arguments
+        it takes and returns None; it passes any other call on, as given, to ``general``'s
+        callable of its name."""
     def shutdown(self) -> None: ...
 
 class RingEngine(Engine):

@@ -15,6 +15,7 @@ import datetime
 import itertools
 import logging
 import operator
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -125,9 +126,33 @@ class Work:
         return self._work._source_rank()
 
 
-def _not_now(*args: object) -> object:
-    """A group's direct entry before its CPU engine exists: every call takes the general path."""
-    return NotImplemented
+# ProcessGroup's methods whose synchronous calls the CPU engine's direct
+# entries (Engine.direct_entries) run, and the entry of each (an alias shares
+# its method's).
+_DIRECT_METHODS = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather_single",
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_single": "reduce_scatter_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+}
+
+
+def _general_path(group: "weakref.ref[ProcessGroup]", name: str) -> Callable[..., object]:
+    """ProcessGroup's method ``name``, on the group that ``group`` refers to: where a
+    direct entry passes the calls it does not run. The reference is weak because the group
+    holds the entry: a strong one would make a cycle through a capsule, which the garbage
+    collector cannot see into, and the group would never be freed."""
+    method = getattr(ProcessGroup, name)
+
+    def call(*args: object, **kwargs: object) -> object:
+        target = group()
+        if target is None:
+            raise RuntimeError(f"pyddp: {name} on a process group that was destroyed")
+        return method(target, *args, **kwargs)
+    return call
 
 
 def _finish(work: Optional[dist.Work], async_op: bool) -> Optional[Work]:
@@ -175,15 +200,6 @@ class ProcessGroup:
         self._engines: Dict[str, _C.Engine] = {}
         self._cpu_engine: Optional[_C.Engine] = None
         self._engine_list: Tuple[_C.Engine, ...] = ()  # _engines' values, for barrier
-        # The CPU engine's synchronous entries (Engine.direct_entries), once it
-        # exists (the barrier's while it is the only engine): each returns None
-        # when it ran the call, NotImplemented when the call takes the general
-        # path.
-        self._all_reduce_now: Callable[..., object] = _not_now
-        self._all_gather_now: Callable[..., object] = _not_now
-        self._reduce_scatter_now: Callable[..., object] = _not_now
-        self._broadcast_now: Callable[..., object] = _not_now
-        self._barrier_now: Callable[..., object] = _not_now
         self._layout = ""
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
@@ -221,15 +237,26 @@ class ProcessGroup:
                         f"({self._options.cma.name.lower()}) from "
                         f"{self._options.cma_min_bytes} bytes per rank")
             self._cpu_engine = engine
-            now = engine.direct_entries(list(_SUPPORTED_OPS.items()))
-            self._all_reduce_now = now["all_reduce"]
-            self._all_gather_now = now["all_gather_single"]
-            self._reduce_scatter_now = now["reduce_scatter_single"]
-            self._broadcast_now = now["broadcast"]
-            self._barrier_now = now["barrier"]
+            self._enter_directly(engine)
         if len(self._engine_list) > 1:
-            self._barrier_now = _not_now  # a barrier meets on every engine
+            vars(self).pop("barrier", None)  # a barrier meets on every engine
         return engine
+
+    def _enter_directly(self, engine: _C.Engine) -> None:
+        """Sets the CPU engine's direct entries on this group under the names of the
+        methods they serve (_DIRECT_METHODS), where they shadow the methods.
+
+        A small synchronous collective is then one call into C++, without the method's
+        Python frame (a tenth of a 2-rank barrier; bindings.cpp, namespace direct, has
+        the numbers). An entry runs the calls it takes and passes every other call, as
+        given, to the method (_general_path), so a group answers as its methods do. A
+        subclass's own method is left to run as written."""
+        general = {name: _general_path(weakref.ref(self), name)
+                   for name in set(_DIRECT_METHODS.values())}
+        entries = engine.direct_entries(list(_SUPPORTED_OPS.items()), general)
+        for method, entry in _DIRECT_METHODS.items():
+            if getattr(type(self), method) is getattr(ProcessGroup, method):
+                vars(self)[method] = entries[entry]
 
     def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
         """``device`` (a CUDA tensor's), or the current CUDA device."""
@@ -353,17 +380,16 @@ class ProcessGroup:
         return t
 
     # The calls that carry small messages (all_reduce, broadcast,
-    # all_gather_single, reduce_scatter_single, barrier) go straight to the
-    # CPU engine's direct entry when the call is synchronous, its tensors are
-    # CPU tensors and its op a ReduceOp member, checking that inline: each
-    # helper call costs about 70 ns, and the three took 170-270 ns of a 4 KiB
-    # all_reduce's 1.8 us on one rank. Anything else takes the general path,
-    # which checks and reports.
+    # all_gather_single, reduce_scatter_single, barrier) reach these methods
+    # only when the CPU engine's direct entry, set on the group under the
+    # method's name (_enter_directly), does not run them: an asynchronous
+    # call, a tensor not on the CPU, an op that is not a ReduceOp member,
+    # wrong arguments. The entry checks inline what it takes: each helper
+    # call here costs about 70 ns, and the three took 170-270 ns of a 4 KiB
+    # all_reduce's 1.8 us on one rank.
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
-        if not async_op and self._all_reduce_now(tensor, op) is None:
-            return None
         engine = self._engine(tensor, "all_reduce", "tensor")
         work = engine.all_reduce(tensor, self._op(op, "all_reduce"), async_op)
         return Work(work) if async_op else None
@@ -371,8 +397,6 @@ class ProcessGroup:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                           ) -> Optional[Work]:
         """``output`` (world_size x input.numel() elements) = every rank's ``input``, in rank order."""
-        if not async_op and self._all_gather_now(output, input) is None:
-            return None
         engine = self._engine(input, "all_gather_single", "input")
         out = self._tensor(output, "all_gather_single", "output")
         work = engine.all_gather_single(out, input, async_op)
@@ -395,8 +419,6 @@ class ProcessGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-        if not async_op and self._broadcast_now(tensor, src) is None:
-            return None
         engine = self._engine(tensor, "broadcast", "tensor")
         root = self._rank_arg(src, "broadcast", "src")
         work = engine.broadcast(tensor, root, async_op)
@@ -405,8 +427,6 @@ class ProcessGroup:
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False) -> Optional[Work]:
         """``output`` on rank r = block r of ``input`` reduced across ranks."""
-        if not async_op and self._reduce_scatter_now(output, input, op) is None:
-            return None
         engine = self._engine(input, "reduce_scatter_single", "input")
         out = self._tensor(output, "reduce_scatter_single", "output")
         red = self._op(op, "reduce_scatter_single")
@@ -564,8 +584,6 @@ class ProcessGroup:
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has entered the barrier, on every engine of the group
         (so a CUDA engine's queued collectives are done too)."""
-        if not async_op and self._barrier_now() is None:
-            return None  # the CPU engine was the only one
         engines = self._engine_list
         if len(engines) > 1:
             for engine in engines[:-1]:
