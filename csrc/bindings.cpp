@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -224,10 +225,11 @@ bool sortArgs(const char* const* params, PyObject* const* args, Py_ssize_t nargs
 // Entry `I`: the engine's `Method` on arguments of the kinds `Args`, named
 // `Params` (async_op last, after them), converted in order while the GIL is
 // held, then run as a synchronous call (the GIL released).
-template <size_t I, const char* const* Params, auto Method, typename... Args>
+template <size_t I, const auto& Params, auto Method, typename... Args>
 PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   constexpr size_t kAsync = sizeof...(Args);
+  static_assert(std::size(Params) == kAsync + 1, "a name per argument, and async_op");
   const Bound& bound = boundOf(self);
   std::array<PyObject*, kAsync + 1> given{};
   if (sortArgs(Params, args, nargs, kwnames, given) &&
@@ -244,7 +246,9 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
     }(std::index_sequence_for<Args...>{});
     if (ran) Py_RETURN_NONE;
   }
-  return PyObject_Vectorcall(bound.general[I].ptr(), args, nargs, kwnames);
+  PyObject* result = PyObject_Vectorcall(bound.general[I].ptr(), args, nargs, kwnames);
+  if (result == nullptr) throw python_error();  // restored as it was by the handler
+  return result;
   END_HANDLE_TH_ERRORS
 }
 

@@ -140,17 +140,21 @@ _DIRECT_METHODS = {
 }
 
 
-def _general_path(group: "weakref.ref[ProcessGroup]", name: str) -> Callable[..., object]:
+def _general_path(group: "weakref.ref[ProcessGroup]", rank: int, name: str
+                  ) -> Callable[..., object]:
     """ProcessGroup's method ``name``, on the group that ``group`` refers to: where a
     direct entry passes the calls it does not run. The reference is weak because the group
     holds the entry: a strong one would make a cycle through a capsule, which the garbage
-    collector cannot see into, and the group would never be freed."""
-    method = getattr(ProcessGroup, name)
+    collector cannot see into, and the group would never be freed. So an entry kept apart
+    from its group, as a bound method would be (``f = pg.all_reduce``), does not keep the
+    group alive: once the group is gone, its calls fail as the engine's do."""
+    method = _GENERAL_METHODS[name]
 
     def call(*args: object, **kwargs: object) -> object:
         target = group()
         if target is None:
-            raise RuntimeError(f"pyddp: {name} on a process group that was destroyed")
+            raise RuntimeError(f"pyddp: rank {rank}: {name} on a process group that was "
+                               "destroyed")
         return method(target, *args, **kwargs)
     return call
 
@@ -238,8 +242,6 @@ class ProcessGroup:
                         f"{self._options.cma_min_bytes} bytes per rank")
             self._cpu_engine = engine
             self._enter_directly(engine)
-        if len(self._engine_list) > 1:
-            vars(self).pop("barrier", None)  # a barrier meets on every engine
         return engine
 
     def _enter_directly(self, engine: _C.Engine) -> None:
@@ -249,13 +251,18 @@ class ProcessGroup:
         A small synchronous collective is then one call into C++, without the method's
         Python frame (a tenth of a 2-rank barrier; bindings.cpp, namespace direct, has
         the numbers). An entry runs the calls it takes and passes every other call, as
-        given, to the method (_general_path), so a group answers as its methods do. A
-        subclass's own method is left to run as written."""
-        general = {name: _general_path(weakref.ref(self), name)
+        given, to the method (_general_path), so a group answers as its methods do.
+        Left to run as written: a method that the group's class (a subclass) or a patch
+        of ProcessGroup made before the group replaced, and the barrier of a group that
+        serves CUDA tensors too, which meets on every engine, one of which may come
+        later."""
+        general = {name: _general_path(weakref.ref(self), self._rank, name)
                    for name in set(_DIRECT_METHODS.values())}
         entries = engine.direct_entries(list(_SUPPORTED_OPS.items()), general)
         for method, entry in _DIRECT_METHODS.items():
-            if getattr(type(self), method) is getattr(ProcessGroup, method):
+            if method == "barrier" and self._device_types != ("cpu",):
+                continue
+            if getattr(type(self), method) is _GENERAL_METHODS[method]:
                 vars(self)[method] = entries[entry]
 
     def _cuda_device(self, device: Optional[torch.device] = None) -> torch.device:
@@ -380,13 +387,14 @@ class ProcessGroup:
         return t
 
     # The calls that carry small messages (all_reduce, broadcast,
-    # all_gather_single, reduce_scatter_single, barrier) reach these methods
-    # only when the CPU engine's direct entry, set on the group under the
-    # method's name (_enter_directly), does not run them: an asynchronous
-    # call, a tensor not on the CPU, an op that is not a ReduceOp member,
-    # wrong arguments. The entry checks inline what it takes: each helper
-    # call here costs about 70 ns, and the three took 170-270 ns of a 4 KiB
-    # all_reduce's 1.8 us on one rank.
+    # all_gather_single, reduce_scatter_single, barrier) reach these methods,
+    # on a group with a CPU engine, only when the engine's direct entry, set
+    # on the group under the method's name (_enter_directly), does not run
+    # them (an asynchronous call, a tensor not on the CPU, an op that is not a
+    # ReduceOp member, wrong arguments), when no entry was set (see there),
+    # or when called through the class or super(). The entry checks inline
+    # what it takes: each helper call here costs about 70 ns, and the three
+    # took 170-270 ns of a 4 KiB all_reduce's 1.8 us on one rank.
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False
                    ) -> Optional[Work]:
         """Reduces ``tensor`` across ranks in place."""
@@ -835,6 +843,13 @@ def _group(group: Optional[ProcessGroup], call: str) -> ProcessGroup:
 def get_default_group() -> ProcessGroup:
     return _group(None, "get_default_group")
 
+
+
+# ProcessGroup's methods as the class defines them, taken once: the general
+# path of the direct entries, and what a group's class must still have for
+# an entry to stand in for the method (not a subclass's or a patch's).
+_GENERAL_METHODS: Dict[str, Callable[..., object]] = {
+    name: vars(ProcessGroup)[name] for name in _DIRECT_METHODS}
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
     return _group(group, "get_rank").rank()

@@ -259,11 +259,13 @@ def test_the_direct_entries_pass_on_what_they_do_not_take_and_outlive_their_grou
         now["barrier"]()
 
 
-def test_a_group_answers_through_its_direct_entries_as_through_its_methods():
+def test_a_group_answers_through_its_direct_entries_as_through_its_methods(monkeypatch):
     """ProcessGroup sets the direct entries on the group under its methods' names: the
     calls they do not run reach the methods (an asynchronous call returns a Work, a
-    misuse raises the method's error), a subclass's own method is left in place, and the
-    entries, which pass calls on through a weak reference, do not keep the group alive."""
+    misuse raises the method's error); a subclass's own method, a patched method and the
+    barrier of a group that serves CUDA tensors too are left in place; and the entries,
+    which pass calls on through a weak reference, do not keep the group alive: a group
+    dropped is freed at once, and an entry kept apart from it then fails."""
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
     t = torch.arange(4.0)
     assert vars(pg)["all_reduce"] is pg.all_reduce and pg.all_reduce(t, async_op=False) is None
@@ -278,10 +280,15 @@ def test_a_group_answers_through_its_direct_entries_as_through_its_methods():
         pg.broadcast(t, 1)
     entries = weakref.ref(pg.barrier)
     group = weakref.ref(pg)
-    pg.shutdown()
+    kept = pg.all_reduce
     del pg
+    assert group() is None and entries() is None  # freed without the cycle collector
+    with pytest.raises(RuntimeError, match="rank 0: all_reduce on a process group that was "
+                       "destroyed"):
+        kept(t, async_op=True)
+    with pytest.raises(RuntimeError, match="all_reduce on a process group that was destroyed"):
+        kept(t)
     gc.collect()
-    assert group() is None and entries() is None
 
     calls = []
 
@@ -296,6 +303,18 @@ def test_a_group_answers_through_its_direct_entries_as_through_its_methods():
         assert mine.all_reduce(t, ReduceOp.MAX) is None and calls == [ReduceOp.MAX]
     finally:
         mine.shutdown()
+
+    def patched(group, *args, **kwargs):
+        calls.append("patched")
+    monkeypatch.setattr(pyddp.ProcessGroup, "broadcast", patched)
+    monkeypatch.setattr(pyddp._C, "device_types_of", lambda backend: ["cpu", "cuda"])
+    both = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert "barrier" not in vars(both) and "all_reduce" in vars(both)
+        assert both.barrier() is None and both.broadcast(t, 0) is None
+        assert calls[-1] == "patched"
+    finally:
+        both.shutdown()
 
 
 # --- functions run on every rank --------------------------------------------------
