@@ -252,10 +252,10 @@ class ProcessGroup:
         Python frame (a tenth of a 2-rank barrier; bindings.cpp, namespace direct, has
         the numbers). An entry runs the calls it takes and passes every other call, as
         given, to the method (_general_path), so a group answers as its methods do.
-        Left to run as written: a method that the group's class (a subclass) or a patch
-        of ProcessGroup made before the group replaced, and the barrier of a group that
-        serves CUDA tensors too, which meets on every engine, one of which may come
-        later."""
+        Left to run as written: a method replaced by the group's class (a subclass) or
+        by a patch of ProcessGroup made before the group, and the barrier of a group that
+        serves CUDA tensors too (it meets on every engine, and a CUDA engine may join
+        later)."""
         general = {name: _general_path(weakref.ref(self), self._rank, name)
                    for name in set(_DIRECT_METHODS.values())}
         entries = engine.direct_entries(list(_SUPPORTED_OPS.items()), general)
@@ -844,12 +844,12 @@ def get_default_group() -> ProcessGroup:
     return _group(None, "get_default_group")
 
 
-
 # ProcessGroup's methods as the class defines them, taken once: the general
 # path of the direct entries, and what a group's class must still have for
 # an entry to stand in for the method (not a subclass's or a patch's).
 _GENERAL_METHODS: Dict[str, Callable[..., object]] = {
     name: vars(ProcessGroup)[name] for name in _DIRECT_METHODS}
+
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
     return _group(group, "get_rank").rank()
