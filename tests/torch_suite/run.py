@@ -186,8 +186,12 @@ def run_backend(backend: str, names: List[str], lift: bool = False) -> Dict[str,
     """Runs the child for ``backend``; its results by test, or raises with its output."""
     with tempfile.TemporaryDirectory(prefix="pyddp-torch-suite-") as tmp:
         out = os.path.join(tmp, "results.json")
+        # TMPDIR too: torch's MultiProcessTestCase makes each test's FileStore
+        # with NamedTemporaryFile(delete=False) and never removes it; here it
+        # goes with the directory.
         env = dict(os.environ, BACKEND=backend, WORLD_SIZE=str(selection.WORLD_SIZE),
-                   TEMP_DIR=tmp, DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(TEST_TIMEOUT_S))
+                   TEMP_DIR=tmp, TMPDIR=tmp,
+                   DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(TEST_TIMEOUT_S))
         # Some of torch's tests set a debug level themselves and expect only
         # theirs; one inherited from the caller would change their checks.
         env.pop("TORCH_DISTRIBUTED_DEBUG", None)
