@@ -41,20 +41,50 @@ using namespace pyddp;
 
 namespace {
 
+// The GIL of one call, given up at most once and taken back when the call
+// returns.
+class GilHandoff {
+ public:
+  GilHandoff() = default;
+  ~GilHandoff() {
+    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+  }
+  GilHandoff(const GilHandoff&) = delete;
+  GilHandoff& operator=(const GilHandoff&) = delete;
+
+  void release() {
+    if (saved_ == nullptr) saved_ = PyEval_SaveThread();
+  }
+
+ private:
+  PyThreadState* saved_ = nullptr;
+};
+
+// When a call lets Python's other threads run: at once, or only once it
+// starts to wait (common/interrupt.h), which a small synchronous call on
+// ranks that are all inside it never does: it spins for a microsecond or
+// so, and giving up the GIL and taking it back were 3% of a 2-rank 4 KiB
+// all_reduce (76 of 2400 ns on far cores, perf). What a call does before
+// it waits must then be short: HoldsGil::WhileSpinning is for calls on
+// small tensors only (kHoldGilMaxBytes), whose copies take microseconds,
+// and a wait spins for at most Backoff::kSpinPhase before it asks.
+enum class HoldsGil { Never, WhileSpinning };
+
 // Python's signal handlers, run by pyddp's waits (common/interrupt.h) every
 // few milliseconds with the GIL taken briefly. When a handler raises
 // (KeyboardInterrupt for Ctrl-C), the wait gives up, and the call raises the
 // handler's exception instead of the error the wait ended with.
 class PythonSignals {
  public:
-  // `f` with the GIL released and Python's handlers installed as its
-  // interrupt check.
+  // `f` with Python's handlers installed as its interrupt check, and the GIL
+  // released as `holds` says.
   template <typename F>
-  auto run(F&& f) {
+  auto run(F&& f, HoldsGil holds) {
     try {
       auto result = [&] {
-        py::gil_scoped_release nogil;
-        InterruptScope scope([this] { return check(); });
+        GilHandoff gil;
+        if (holds == HoldsGil::Never) gil.release();
+        InterruptScope scope([this] { return check(); }, [&gil] { gil.release(); });
         return f();
       }();
       raiseIfRaised();
@@ -90,19 +120,26 @@ class PythonSignals {
 
 // `f` with the GIL released and interruptible by Python's signal handlers.
 template <typename F>
-auto interruptibly(F&& f) {
-  return PythonSignals().run(std::forward<F>(f));
+auto interruptibly(F&& f, HoldsGil holds = HoldsGil::Never) {
+  return PythonSignals().run(std::forward<F>(f), holds);
 }
 
 // A synchronous call, from a pybind entry or a direct one (below): it waits
-// here for its Work, if the executor made one, with the GIL released.
+// here for its Work, if the executor made one, with the GIL released (the
+// Work completes on the worker, whose future callbacks may take the GIL).
 template <typename Start>
-void runToEnd(std::chrono::milliseconds timeout, Start&& start) {
+void runToEnd(std::chrono::milliseconds timeout, Start&& start,
+              HoldsGil holds = HoldsGil::Never) {
   const CallOptions call{/*asyncOp=*/false, timeout, /*workless=*/true};
-  interruptibly([&] {
-    if (const WorkPtr work = start(call)) work->wait();
-    return true;
-  });
+  interruptibly(
+      [&] {
+        if (const WorkPtr work = start(call)) {
+          aboutToBlock();
+          work->wait();
+        }
+        return true;
+      },
+      holds);
 }
 
 // An entry point as Python calls it. With async_op, the Work at once. A
@@ -162,8 +199,11 @@ struct Bound {
   std::array<py::object, kNumEntries> general;
 };
 
+// The capsule holds its Bound as its pointer (for its destructor) and as
+// its context, read per call: PyCapsule_GetPointer compares the capsule's
+// name with strcmp each time.
 const Bound& boundOf(PyObject* self) {
-  return *static_cast<const Bound*>(PyCapsule_GetPointer(self, kCapsule));
+  return *static_cast<const Bound*>(PyCapsule_GetContext(self));
 }
 
 // What an argument of an entry converts to, given or left out (nullptr),
@@ -192,6 +232,18 @@ struct OpArg {
     return std::nullopt;
   }
 };
+// The bytes a converted argument holds, to choose HoldsGil by (a sparse
+// tensor's as if dense: at::Tensor::nbytes refuses sparse ones).
+size_t bytesOf(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * t.element_size();
+}
+size_t bytesOf(RedOp) {
+  return 0;
+}
+size_t bytesOf(int) {
+  return 0;
+}
+
 struct RankArg {
   static std::optional<int> from(const Bound& b, PyObject* arg) {
     if (arg == nullptr || !PyLong_CheckExact(arg)) return std::nullopt;  // not a bool either
@@ -222,12 +274,23 @@ bool sortArgs(const char* const* params, PyObject* const* args, Py_ssize_t nargs
   return true;
 }
 
+// The largest tensors (in bytes, all of a call's together) whose call
+// keeps the GIL while it spins (HoldsGil): a 2-rank all_reduce of 16 KiB
+// took 3.4-5.1 us, so the GIL's handoff would be 2% of it or less, and a
+// larger call would hold the GIL for longer.
+constexpr size_t kHoldGilMaxBytes = 16 * 1024;
+
 // Entry `I`: the engine's `Method` on arguments of the kinds `Args`, named
 // `Params` (async_op last, after them), converted in order while the GIL is
-// held, then run as a synchronous call (the GIL released).
+// held, then run as a synchronous call.
+//
+// Errors are translated as torch's HANDLE_TH_ERRORS does, without its
+// warning handler, whose two thread-local swaps were about 20 ns of every
+// call (perf): a torch warning raised inside a call goes to c10's own
+// handler, as from pyddp's pybind entries, instead of becoming a Python
+// warning.
 template <size_t I, const auto& Params, auto Method, typename... Args>
-PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  HANDLE_TH_ERRORS
+PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) try {
   constexpr size_t kAsync = sizeof...(Args);
   static_assert(std::size(Params) == kAsync + 1, "a name per argument, and async_op");
   const Bound& bound = boundOf(self);
@@ -239,17 +302,22 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
           Args::from(bound, given[K])...};
       if (!(std::get<K>(values).has_value() && ...)) return false;
       Engine& engine = *bound.engine;
-      runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
-        return (engine.*Method)(*std::get<K>(values)..., c);
-      });
+      const size_t bytes = (size_t{0} + ... + bytesOf(*std::get<K>(values)));
+      runToEnd(
+          c10d::kUnsetTimeout,
+          [&](const CallOptions& c) { return (engine.*Method)(*std::get<K>(values)..., c); },
+          bytes <= kHoldGilMaxBytes && engine.spinsWithGil() ? HoldsGil::WhileSpinning
+                                                              : HoldsGil::Never);
       return true;
     }(std::index_sequence_for<Args...>{});
     if (ran) Py_RETURN_NONE;
   }
   PyObject* result = PyObject_Vectorcall(bound.general[I].ptr(), args, nargs, kwnames);
-  if (result == nullptr) throw python_error();  // restored as it was by the handler
+  if (result == nullptr) throw python_error();  // restored as it was below
   return result;
-  END_HANDLE_TH_ERRORS
+} catch (...) {
+  torch::translate_exception_to_python(std::current_exception());
+  return nullptr;
 }
 
 template <auto F>
@@ -305,7 +373,8 @@ py::dict entriesOf(const c10::intrusive_ptr<Engine>& engine,
         delete static_cast<Bound*>(PyCapsule_GetPointer(capsule, kCapsule));
       }));
   if (!capsule) throw py::error_already_set();
-  held.release();  // the capsule's now
+  Bound* bound = held.release();  // the capsule's now
+  if (PyCapsule_SetContext(capsule.ptr(), bound) != 0) throw py::error_already_set();
   py::dict entries;
   for (PyMethodDef& def : kEntries) {
     const auto f = py::reinterpret_steal<py::object>(PyCFunction_New(&def, capsule.ptr()));

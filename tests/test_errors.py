@@ -563,6 +563,22 @@ def _gil_released_while_waiting(ctx: RankContext) -> int:
     return ticks[0]
 
 
+def _small_calls_after_dropped_works(ctx: RankContext) -> None:
+    # A small synchronous call keeps the GIL while it spins; the worker may
+    # be dropping the previous job, whose tensor then takes the GIL, with
+    # the queue locked. Each round: an async all_reduce whose Work nobody
+    # keeps, then a synchronous one right behind it.
+    pg = _group(ctx, "dropped")
+    queued = torch.full((4096,), float(ctx.rank))
+    for i in range(300):
+        pg.all_reduce(queued, op=pyddp.ReduceOp.MAX, async_op=True)
+        small = torch.ones(4)
+        pg.all_reduce(small)
+        assert torch.equal(small, torch.full((4,), 2.0)), (i, small)
+    pg.barrier()
+    assert torch.equal(queued, torch.full((4096,), 1.0))
+
+
 def _wait_with_timeout(ctx: RankContext) -> None:
     pg = _group(ctx, "wait-timeout")
     if ctx.rank == 1:
@@ -675,6 +691,10 @@ def test_outputs_that_overlap_themselves_or_their_inputs_are_refused(two):
 def test_blocking_collective_releases_the_gil(two):
     ticks, _ = two.run(_gil_released_while_waiting)
     assert ticks > 1000, ticks
+
+
+def test_small_synchronous_calls_behind_dropped_works_do_not_deadlock(two):
+    two.run(_small_calls_after_dropped_works)
 
 
 def test_work_wait_timeout_names_the_call(two):

@@ -5,9 +5,22 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/interrupt.h"
 
 namespace pyddp {
 namespace {
+
+// Takes the queue's lock for a caller that may hold the GIL (a small
+// synchronous call, HoldsGil in bindings.cpp): if another thread has the
+// lock, the caller lets Python's threads run before it waits for it, since
+// that thread may be waiting for the GIL (the worker drops a finished job,
+// whose tensors may take it, with the lock held; giveUp fails Works, whose
+// future callbacks may, under it).
+void lockAsCaller(std::unique_lock<std::mutex>& lock) {
+  if (lock.try_lock()) return;
+  aboutToBlock();
+  lock.lock();
+}
 
 // Marks the queue busy for one job, whatever the job throws. Only a queued
 // job waits for `busy` to clear: waking the idle worker after every inline
@@ -23,7 +36,7 @@ class BusyScope {
     lock_.unlock();
   }
   ~BusyScope() {
-    lock_.lock();
+    lockAsCaller(lock_);
     queue_.busy = false;
     if (syncTicket_ != 0 && queue_.syncTicket == syncTicket_) queue_.syncTicket = 0;
     if (!queue_.jobs.empty()) queue_.cv.notify_all();
@@ -190,7 +203,8 @@ uint64_t CpuExecutor::admit(CollectiveKind kind, const CallOptions& call, bool o
 bool CpuExecutor::runNow(const CollectiveDesc& desc, const CallOptions& call,
                          TransferRef transfer, FinishRef finish) {
   if (!call.workless) return false;
-  std::unique_lock<std::mutex> lock(queue_->mu);
+  std::unique_lock<std::mutex> lock(queue_->mu, std::defer_lock);
+  lockAsCaller(lock);
   const bool onWorker = std::this_thread::get_id() == queue_->workerId;
   if (!runsHere(call, onWorker)) return false;
   const uint64_t ticket = admit(desc.kind, call, onWorker);
@@ -199,7 +213,8 @@ bool CpuExecutor::runNow(const CollectiveDesc& desc, const CallOptions& call,
 }
 
 c10::intrusive_ptr<c10d::Work> CpuExecutor::submit(Collective c, const CallOptions& call) {
-  std::unique_lock<std::mutex> lock(queue_->mu);
+  std::unique_lock<std::mutex> lock(queue_->mu, std::defer_lock);
+  lockAsCaller(lock);
   const bool onWorker = std::this_thread::get_id() == queue_->workerId;
   const uint64_t ticket = admit(c.desc.kind, call, onWorker);
   const bool here = runsHere(call, onWorker);

@@ -33,6 +33,13 @@ class Engine : public RefusingBackend {
   c10::Device device() const { return device_; }
   const std::string& transport() const { return transport_; }
 
+  // Whether a synchronous call may keep the GIL until it starts to wait
+  // (HoldsGil in bindings.cpp): only if no thread it meets takes the GIL
+  // while holding a lock the call needs. torch's ProcessGroups' threads may
+  // (gloo's drops a finished work, whose tensors may take the GIL, with its
+  // queue locked: an engine that calls gloo deadlocked on it).
+  virtual bool spinsWithGil() const { return false; }
+
   // pyddp's entry points. Every rank calls the collectives in the same
   // order; an engine that lacks one refuses it (TypeError) before anything
   // is queued, naming the call.

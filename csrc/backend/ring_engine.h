@@ -53,6 +53,9 @@ class RingEngine final : public Engine {
   // registeredRefusal().
   const std::string& processRefusal() const { return processRefusal_; }
 
+  // On the CPU the calls meet only pyddp's own threads (cpu_executor.h).
+  bool spinsWithGil() const override { return cpuExec_ != nullptr; }
+
   WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
   WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,

@@ -9,9 +9,16 @@ thread_local InterruptScope* innermost = nullptr;
 
 } // namespace
 
-InterruptScope::InterruptScope(std::function<bool()> check)
-    : check_(std::move(check)), outer_(innermost) {
+InterruptScope::InterruptScope(std::function<bool()> check, std::function<void()> waiting)
+    : check_(std::move(check)), waiting_(std::move(waiting)), outer_(innermost) {
   innermost = this;
+}
+
+void InterruptScope::startWaiting() {
+  if (!waiting_) return;
+  const std::function<void()> waiting = std::move(waiting_);
+  waiting_ = nullptr;
+  waiting();
 }
 
 InterruptScope::~InterruptScope() {
@@ -23,6 +30,7 @@ bool interruptRequested() {
   if (scope == nullptr || scope->fired_) return scope != nullptr;
   const auto now = Clock::now();
   if (!scope->asked_) {
+    scope->startWaiting();
     scope->asked_ = true;
     scope->nextCheck_ = now + InterruptScope::kPeriod;
     return false;
@@ -31,6 +39,10 @@ bool interruptRequested() {
   scope->nextCheck_ = now + InterruptScope::kPeriod;
   scope->fired_ = scope->check_();
   return scope->fired_;
+}
+
+void aboutToBlock() {
+  if (innermost != nullptr) innermost->startWaiting();
 }
 
 bool interruptible() {

@@ -6,6 +6,12 @@
 // waits) asks interruptRequested() and gives up when it says so. A thread
 // without a scope (the CPU worker, a thread torch calls from) is never
 // interrupted.
+//
+// The scope also tells the caller when the call starts to wait (its
+// `waiting` hook, run once): at the first interruptRequested(), or at
+// aboutToBlock() before a wait that asks late (a Work's). The bindings keep
+// the GIL through a small call that only spins, and let Python's other
+// threads run from there.
 #pragma once
 
 #include <chrono>
@@ -24,7 +30,9 @@ class InterruptScope {
   // destroyed; scopes nest. The first kPeriod starts at the first
   // interruptRequested(), not here: a call that never waits (most small
   // collectives) reads no clock for its scope.
-  explicit InterruptScope(std::function<bool()> check);
+  // `waiting`, if not empty, runs at most once, on this thread, when the
+  // call starts to wait.
+  explicit InterruptScope(std::function<bool()> check, std::function<void()> waiting = {});
   ~InterruptScope();
   InterruptScope(const InterruptScope&) = delete;
   InterruptScope& operator=(const InterruptScope&) = delete;
@@ -32,8 +40,12 @@ class InterruptScope {
  private:
   friend bool interruptRequested();
   friend bool interruptible();
+  friend void aboutToBlock();
+
+  void startWaiting();
 
   std::function<bool()> check_;
+  std::function<void()> waiting_;  // empty once it ran
   InterruptScope* outer_;
   Clock::time_point nextCheck_;  // valid once asked_
   bool asked_ = false;
@@ -44,6 +56,10 @@ class InterruptScope {
 // at most every InterruptScope::kPeriod (false in between, and always
 // without a scope).
 bool interruptRequested();
+// This thread is about to block on something that another thread of the
+// process settles: runs the innermost scope's `waiting` hook if it has not
+// run (nothing without a scope).
+void aboutToBlock();
 // Whether this thread has a scope (waits that would otherwise block without
 // looking can then wake up every kPeriod to ask).
 bool interruptible();
