@@ -315,7 +315,7 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
   PyObject* result = PyObject_Vectorcall(bound.general[I].ptr(), args, nargs, kwnames);
   if (result == nullptr) throw python_error();  // restored as it was below
   return result;
-} catch (...) {
+} catch (const std::exception&) {
   torch::translate_exception_to_python(std::current_exception());
   return nullptr;
 }
