@@ -118,7 +118,8 @@ class PythonSignals {
   std::unique_ptr<py::error_already_set> raised_;
 };
 
-// `f` with the GIL released and interruptible by Python's signal handlers.
+// `f` interruptible by Python's signal handlers, with the GIL released at
+// once or, with HoldsGil::WhileSpinning, once it starts to wait.
 template <typename F>
 auto interruptibly(F&& f, HoldsGil holds = HoldsGil::Never) {
   return PythonSignals().run(std::forward<F>(f), holds);
