@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -209,19 +210,26 @@ const Bound& boundOf(PyObject* self) {
 
 // What an argument of an entry converts to, given or left out (nullptr),
 // if it is one the entry takes (std::nullopt if not).
+//
+// A tensor is borrowed from the call's arguments, which Python keeps alive
+// until the entry returns: a copy of the handle of a tensor that Python
+// holds gains a reference to its PyObject (c10::intrusive_ptr), which
+// takes the GIL, and loses it when the last copy goes, which takes it
+// again. A call that gives up the GIL at once (HoldsGil::Never) first takes
+// a reference of its own (held()), dropped with the GIL held again:
+// without it the engine's copies, dropped with the GIL released, took and
+// gave back the GIL once per call (one rank, 4 KiB all_reduce through
+// ProcessGroup: 1160 -> 1025 ns, interleaved runs of each). A call that
+// keeps the GIL makes no copy on the CPU ring engine's path for contiguous
+// tensors (RingEngine::submit); one that copies (a strided tensor, a call
+// queued behind async work) does so with the GIL held.
 struct TensorArg {
-  // A reference of the entry's own, taken and dropped with the GIL held. A
-  // tensor that Python holds gains a reference to its PyObject when C++
-  // first copies it and loses it when the last copy goes
-  // (c10::intrusive_ptr), and losing it takes the GIL: without this
-  // reference the engine's copies, dropped with the GIL released, took and
-  // gave back the GIL once per call (one rank, 4 KiB all_reduce through
-  // ProcessGroup: 1160 -> 1025 ns, interleaved runs of each).
-  static std::optional<at::Tensor> from(const Bound& b, PyObject* arg) {
+  static std::optional<std::reference_wrapper<const at::Tensor>> from(const Bound& b,
+                                                                       PyObject* arg) {
     if (arg == nullptr || !THPVariable_Check(arg)) return std::nullopt;
     const at::Tensor& t = THPVariable_Unpack(arg);
     if (t.device() != b.engine->device()) return std::nullopt;
-    return t;
+    return std::cref(t);
   }
 };
 struct OpArg {
@@ -243,6 +251,16 @@ size_t bytesOf(RedOp) {
 }
 size_t bytesOf(int) {
   return 0;
+}
+// A converted argument as the call keeps it while the GIL is released.
+at::Tensor held(const at::Tensor& t) {
+  return t;
+}
+RedOp held(RedOp op) {
+  return op;
+}
+int held(int rank) {
+  return rank;
 }
 
 struct RankArg {
@@ -304,11 +322,17 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
       if (!(std::get<K>(values).has_value() && ...)) return false;
       Engine& engine = *bound.engine;
       const size_t bytes = (size_t{0} + ... + bytesOf(*std::get<K>(values)));
-      runToEnd(
-          c10d::kUnsetTimeout,
-          [&](const CallOptions& c) { return (engine.*Method)(*std::get<K>(values)..., c); },
-          bytes <= kHoldGilMaxBytes && engine.spinsWithGil() ? HoldsGil::WhileSpinning
-                                                              : HoldsGil::Never);
+      if (bytes <= kHoldGilMaxBytes && engine.spinsWithGil()) {
+        runToEnd(
+            c10d::kUnsetTimeout,
+            [&](const CallOptions& c) { return (engine.*Method)(*std::get<K>(values)..., c); },
+            HoldsGil::WhileSpinning);
+      } else {
+        const std::tuple kept{held(*std::get<K>(values))...};
+        runToEnd(c10d::kUnsetTimeout, [&](const CallOptions& c) {
+          return (engine.*Method)(std::get<K>(kept)..., c);
+        });
+      }
       return true;
     }(std::index_sequence_for<Args...>{});
     if (ran) Py_RETURN_NONE;

@@ -319,6 +319,39 @@ def _async_work(ctx: RankContext) -> None:
     check_equal(b, torch.ones(3), "async broadcast")
 
 
+def _queued_calls_own_their_tensors(ctx: RankContext) -> None:
+    """A call run at once borrows its tensors; one queued behind running work
+    keeps them (RingEngine::submit): temporaries that nothing else holds, and
+    whose memory the allocator hands out again at once, still give the
+    right results."""
+    pg = ctx.groups["auto"]
+    n, r = ctx.world_size, ctx.rank
+    for count in (1001, LARGE):
+        ahead = pg.all_reduce(torch.ones(LARGE), async_op=True)  # the calls below queue
+        gathered = torch.zeros(n * count)
+        works = [pg.all_gather_single(gathered, torch.full((count,), float(r)), async_op=True)]
+        scattered = torch.zeros(count)
+        works.append(pg.reduce_scatter_single(
+            scattered, torch.arange(n * count, dtype=torch.float32) + r, async_op=True))
+        works.append(pg.all_reduce(torch.full((count,), float(r + 1)), async_op=True))
+        works.append(pg.broadcast(torch.full((count,), float(r)), 1, async_op=True))
+        # Write over whatever the temporaries' memory would be if it had been freed.
+        junk = [torch.full((n * count,), -7.0) for _ in range(8)] + \
+               [torch.full((count,), -7.0) for _ in range(8)]
+        for work in [ahead] + works:
+            assert work.wait(datetime.timedelta(seconds=60)) is True
+        del junk
+        check_equal(gathered, torch.arange(n, dtype=torch.float32).repeat_interleave(count),
+                    f"queued all_gather_single of a temporary, {count}")
+        block = torch.arange(r * count, (r + 1) * count, dtype=torch.float32)
+        check_equal(scattered, n * block + n * (n - 1) // 2,
+                    f"queued reduce_scatter_single of a temporary, {count}")
+        check_equal(works[2].result()[0], torch.full((count,), float(n * (n + 1) // 2)),
+                    f"queued all_reduce of a temporary, {count}")
+        check_equal(works[3].result()[0], torch.ones(count),
+                    f"queued broadcast of a temporary, {count}")
+
+
 def _future_ready_after_wait(ctx: RankContext) -> None:
     pg = ctx.groups["auto"]
     for i in range(2000):
@@ -471,6 +504,10 @@ def test_non_contiguous_tensors(ranks):
 
 def test_async_work_and_futures(ranks):
     ranks.run(_async_work)
+
+
+def test_queued_calls_keep_tensors_only_they_hold(ranks):
+    ranks.run(_queued_calls_own_their_tensors)
 
 
 def test_future_is_ready_when_wait_returns(ranks):

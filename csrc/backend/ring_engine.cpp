@@ -158,23 +158,63 @@ void RingEngine::shutdown() {
   if (userLink_) userLink_->close();
 }
 
-template <typename Transfer, typename Finish>
+namespace {
+
+// What a queued collective keeps of what its transfer uses.
+at::Tensor owned(const at::Tensor& tensor) {
+  return tensor;
+}
+std::vector<at::Tensor> owned(c10::ArrayRef<at::Tensor> tensors) {
+  return tensors.vec();
+}
+void appendTo(std::vector<at::Tensor>& all, const at::Tensor& tensor) {
+  all.push_back(tensor);
+}
+void appendTo(std::vector<at::Tensor>& all, c10::ArrayRef<at::Tensor> tensors) {
+  all.insert(all.end(), tensors.begin(), tensors.end());
+}
+
+} // namespace
+
+template <typename Transfer, typename Finish, typename... Uses>
 WorkPtr RingEngine::submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
-                           c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
+                           std::tuple<const Uses&...> uses, Transfer&& transfer, Finish&& finish,
                            const CallOptions& call) {
   const auto borrowed = [&](const CollectiveDesc& d, Deadline deadline) {
-    transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
+    std::apply(
+        [&](const Uses&... u) {
+          transfer(algorithms::Call{*transport_, d, deadline, rank_, size_}, u...);
+        },
+        uses);
   };
   if (executor_->runNow(desc, call, borrowed, finish)) return {};
+  std::vector<at::Tensor> all;
+  std::apply([&](const Uses&... u) { (appendTo(all, u), ...); }, uses);
+  auto held = std::apply([](const Uses&... u) { return std::make_tuple(owned(u)...); }, uses);
   return executor_->submit(
-      Collective{desc, outputs.vec(), uses.vec(),
-                 [this, transfer = std::forward<Transfer>(transfer)](const CollectiveDesc& d,
-                                                                     Deadline deadline) {
-                   transfer(algorithms::Call{*transport_, d, deadline, rank_, size_});
+      Collective{desc, outputs.vec(), std::move(all),
+                 [this, transfer = std::forward<Transfer>(transfer),
+                  held = std::move(held)](const CollectiveDesc& d, Deadline deadline) {
+                   std::apply(
+                       [&](const auto&... u) {
+                         transfer(algorithms::Call{*transport_, d, deadline, rank_, size_}, u...);
+                       },
+                       held);
                  },
                  std::forward<Finish>(finish), desc.kind == CollectiveKind::Barrier,
                  call.timeout},
       call);
+}
+
+template <typename Transfer, typename Finish>
+WorkPtr RingEngine::submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
+                           c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
+                           const CallOptions& call) {
+  return submit(
+      desc, outputs, std::tuple<const c10::ArrayRef<at::Tensor>&>(uses),
+      [transfer = std::forward<Transfer>(transfer)](const algorithms::Call& c,
+                                                    c10::ArrayRef<at::Tensor>) { transfer(c); },
+      std::forward<Finish>(finish), call);
 }
 
 kernels::ReduceSpec RingEngine::spec(DataType dtype, RedOp op) const {
@@ -297,8 +337,10 @@ WorkPtr RingEngine::allReduce(const at::Tensor& tensor, RedOp op, const CallOpti
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
   checks_.op(op, dtype, "all_reduce");
+  // A contiguous tensor is its own buffer, with nothing to copy back.
+  if (tensor.is_contiguous()) return allReduceFlat(tensor, spec(dtype, op), tensor, [] {}, call);
   const at::Tensor buf = dense(tensor);
-  return allReduceFlat(buf, spec(dtype, op), {tensor}, [=] { copyBack(tensor, buf); }, call);
+  return allReduceFlat(buf, spec(dtype, op), tensor, [=] { copyBack(tensor, buf); }, call);
 }
 
 WorkPtr RingEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
@@ -320,9 +362,8 @@ WorkPtr RingEngine::allReduceFlat(const at::Tensor& buf, const kernels::ReduceSp
   return submit(
       makeDesc(CollectiveKind::AllReduce, count, s.dtype, s.op, -1,
                registeredOr(CollectiveKind::AllReduce, count * elementSize(s.dtype), algo)),
-      outputs,
-      {buf},
-      [=, this](const algorithms::Call& call) {
+      outputs, std::tie(buf),
+      [this, s, count, algo](const algorithms::Call& call, const at::Tensor& buf) {
         void* data = buf.data_ptr();
         inPlaceOr(
             call, data, count * elementSize(s.dtype), -1,
@@ -388,9 +429,12 @@ WorkPtr RingEngine::allGatherSingle(const at::Tensor& output, const at::Tensor& 
                                     const CallOptions& call) {
   const DataType dtype = checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
   const size_t count = input.numel();
+  if (input.is_contiguous() && output.is_contiguous()) {
+    return allGatherFlat(input, output, dtype, count, output, [] {}, call);
+  }
   const at::Tensor in = dense(input);
   const at::Tensor out = dense(output);
-  return allGatherFlat(in, out, dtype, count, {output}, [=] { copyBack(output, out); }, call);
+  return allGatherFlat(in, out, dtype, count, output, [=] { copyBack(output, out); }, call);
 }
 
 template <typename Finish>
@@ -402,8 +446,9 @@ WorkPtr RingEngine::allGatherFlat(const at::Tensor& in, const at::Tensor& out, D
   return submit(
       makeDesc(CollectiveKind::AllGather, count, dtype, RedOp::Sum, -1,
                registeredOr(CollectiveKind::AllGather, count * es, algo)),
-      outputs, {in, out},
-      [=, this](const algorithms::Call& c) {
+      outputs, std::tie(in, out),
+      [this, algo, dtype, count, es](const algorithms::Call& c, const at::Tensor& in,
+                                     const at::Tensor& out) {
         algorithms::RankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<char*>(out.data_ptr()) + b * count * es;
@@ -479,13 +524,22 @@ WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallO
   const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
   checks_.writable(tensor, "broadcast", "tensor");
   checks_.root(src, "broadcast", "src");
-  const size_t count = tensor.numel();
+  // A contiguous tensor is its own buffer, with nothing to copy back.
+  if (tensor.is_contiguous()) return broadcastFlat(tensor, dtype, src, tensor, [] {}, call);
   const at::Tensor buf = dense(tensor);
+  return broadcastFlat(buf, dtype, src, tensor, [=] { copyBack(tensor, buf); }, call);
+}
+
+template <typename Finish>
+WorkPtr RingEngine::broadcastFlat(const at::Tensor& buf, DataType dtype, int src,
+                                  c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
+                                  const CallOptions& call) {
+  const size_t count = buf.numel();
   return submit(
       makeDesc(CollectiveKind::Broadcast, count, dtype, RedOp::Sum, src,
                registeredOr(CollectiveKind::Broadcast, count * elementSize(dtype), Algo::Ring)),
-      {tensor}, {buf},
-      [=, this](const algorithms::Call& call) {
+      outputs, std::tie(buf),
+      [this, count, dtype, src](const algorithms::Call& call, const at::Tensor& buf) {
         void* data = buf.data_ptr();
         const size_t bytes = count * elementSize(dtype);
         inPlaceOr(
@@ -496,7 +550,7 @@ WorkPtr RingEngine::broadcastFrom(const at::Tensor& tensor, int src, const CallO
             },
             [&](const algorithms::Call& c) { algorithms::chainBroadcast(c, data, bytes, src); });
       },
-      [=] { copyBack(tensor, buf); }, call);
+      std::forward<Finish>(finish), call);
 }
 
 WorkPtr RingEngine::reduceScatterSingle(const at::Tensor& output, const at::Tensor& input,
@@ -504,9 +558,12 @@ WorkPtr RingEngine::reduceScatterSingle(const at::Tensor& output, const at::Tens
   const DataType dtype =
       checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
   checks_.op(op, dtype, "reduce_scatter_single");
+  if (input.is_contiguous() && output.is_contiguous()) {
+    return reduceScatterFlat(input, output, spec(dtype, op), output.numel(), output, [] {}, call);
+  }
   const at::Tensor in = dense(input);
   const at::Tensor out = dense(output);
-  return reduceScatterFlat(in, out, spec(dtype, op), output.numel(), {output},
+  return reduceScatterFlat(in, out, spec(dtype, op), output.numel(), output,
                            [=] { copyBack(output, out); }, call);
 }
 
@@ -520,8 +577,9 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
   return submit(
       makeDesc(CollectiveKind::ReduceScatter, count, s.dtype, s.op, -1,
                registeredOr(CollectiveKind::ReduceScatter, count * es, algo)),
-      outputs, {in, out},
-      [=, this](const algorithms::Call& call) {
+      outputs, std::tie(in, out),
+      [this, algo, s, count, es](const algorithms::Call& call, const at::Tensor& in,
+                                 const at::Tensor& out) {
         algorithms::ConstRankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
           blocks[b] = static_cast<const char*>(in.data_ptr()) + b * count * es;
@@ -550,7 +608,7 @@ WorkPtr RingEngine::reduceScatterFlat(const at::Tensor& in, const at::Tensor& ou
 }
 
 WorkPtr RingEngine::barrierAll(const CallOptions& call) {
-  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {}, {},
+  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {}, std::tuple<>(),
                 [](const algorithms::Call& c) { algorithms::barrier(c); }, [] {}, call);
 }
 
