@@ -41,6 +41,21 @@ std::vector<at::Tensor> denseAll(const std::vector<at::Tensor>& list) {
   return out;
 }
 
+// What a queued collective keeps of what its transfer uses
+// (RingEngine::submit), and the same added to the list of its tensors.
+at::Tensor owned(const at::Tensor& tensor) {
+  return tensor;
+}
+std::vector<at::Tensor> owned(c10::ArrayRef<at::Tensor> tensors) {
+  return tensors.vec();
+}
+void appendTo(std::vector<at::Tensor>& all, const at::Tensor& tensor) {
+  all.push_back(tensor);
+}
+void appendTo(std::vector<at::Tensor>& all, c10::ArrayRef<at::Tensor> tensors) {
+  all.insert(all.end(), tensors.begin(), tensors.end());
+}
+
 CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype,
                         RedOp op = RedOp::Sum, int root = -1, Algo algo = Algo::Ring) {
   CollectiveDesc d;
@@ -157,24 +172,6 @@ void RingEngine::shutdown() {
   if (link_) link_->close();
   if (userLink_) userLink_->close();
 }
-
-namespace {
-
-// What a queued collective keeps of what its transfer uses.
-at::Tensor owned(const at::Tensor& tensor) {
-  return tensor;
-}
-std::vector<at::Tensor> owned(c10::ArrayRef<at::Tensor> tensors) {
-  return tensors.vec();
-}
-void appendTo(std::vector<at::Tensor>& all, const at::Tensor& tensor) {
-  all.push_back(tensor);
-}
-void appendTo(std::vector<at::Tensor>& all, c10::ArrayRef<at::Tensor> tensors) {
-  all.insert(all.end(), tensors.begin(), tensors.end());
-}
-
-} // namespace
 
 template <typename Transfer, typename Finish, typename... Uses>
 WorkPtr RingEngine::submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
