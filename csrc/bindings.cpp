@@ -220,9 +220,11 @@ const Bound& boundOf(PyObject* self) {
 // without it the engine's copies, dropped with the GIL released, took and
 // gave back the GIL once per call (one rank, 4 KiB all_reduce through
 // ProcessGroup: 1160 -> 1025 ns, interleaved runs of each). A call that
-// keeps the GIL makes no copy on the CPU ring engine's path for contiguous
-// tensors (RingEngine::submit); one that copies (a strided tensor, a call
-// queued behind async work) does so with the GIL held.
+// keeps the GIL copies no handle of a contiguous tensor on the CPU ring
+// engine's path (RingEngine::submit); one that does (a strided tensor, a
+// call queued behind async work) makes its copies with the GIL held, and
+// its last copy, if dropped once the GIL was given up (a wait past its
+// spin phase, or on the worker), takes the GIL once more.
 struct TensorArg {
   static std::optional<std::reference_wrapper<const at::Tensor>> from(const Bound& b,
                                                                        PyObject* arg) {
