@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <thread>
 
 namespace {
@@ -127,7 +128,7 @@ int main(int argc, char** argv) {
   std::printf("2 threads on CPUs %d and %d, %zu bytes a round, ns a round (thread on %d)\n",
               a, b, kBytes, a);
   for (int repeat = 0; repeat < kRepeats; ++repeat) {
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < static_cast<int>(std::size(kNames)); ++p) {
       const auto protocol = static_cast<Protocol>(p);
       std::memset(static_cast<void*>(shared), 0, sizeof shared);
       std::thread other([&] { run(protocol, 1, b); });
