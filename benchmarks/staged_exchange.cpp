@@ -3,21 +3,28 @@
 //
 // Two threads, pinned to CPUs A and B (0 and 1 unless given), each round
 // exchange 4 KiB and sum the two, as a 2-rank all_reduce of 4 KiB does
-// (algorithms/collectives.cpp, directAllReduce), by four protocols:
+// (algorithms/collectives.cpp, directAllReduce), by these protocols:
 //   flag           the shm transport's direct rounds (transport/shm.h): copy
 //                  into staging buffer R % 2, store a flag = R (release),
 //                  wait for the peer's flag, sum from the peer's buffer;
 //   flag+prefetch  the same, prefetching all the peer's lines once its flag
 //                  is seen;
+//   flag+prefetchw the same, asking for the lines of the staging buffer it
+//                  writes next (R + 1) once the peer's flag is seen: the
+//                  peer is then done with them;
+//   4 buffers      the flag's protocol with staging buffer R % 4;
+//   1 buffer       one staging buffer, written once the peer stored a
+//                  second flag (done = R - 1) after its sum of round R - 1;
 //   lines          flags in the data's lines (NCCL's LL protocol on cache
 //                  lines): each 64-byte line of buffer R % 2 carries 56
 //                  bytes, then R in its last 8 (stored after them, release);
 //                  the reader waits for each line's R and unpacks its 56
 //                  bytes into a contiguous buffer, then sums;
 //   lines, last    the same, waiting for the last line's R first.
-// benchmarks/README.md, "A wait's first clock reading", has its numbers on
-// the AMD EPYC VM. On a virtual machine, run benchmarks/core_distance.cpp
-// before and after to know how far apart the two vCPUs were.
+// benchmarks/README.md, "A wait's first clock reading" and "Which lines a
+// staged exchange writes", has its numbers on the AMD EPYC VM. On a
+// virtual machine, run benchmarks/core_distance.cpp before and after to
+// know how far apart the two vCPUs were.
 //
 //   g++ -O2 -march=native -pthread benchmarks/staged_exchange.cpp -o /tmp/staged_exchange
 //   /tmp/staged_exchange [A B]
@@ -57,14 +64,24 @@ static_assert(sizeof(Line) == kLine);
 
 // What one thread writes and its peer reads. Owner: the thread of that index.
 struct alignas(kLine) Shared {
-  char staging[2][kBytes];
+  char staging[4][kBytes];
   Flag staged;
+  Flag done;  // 1 buffer: the last round whose sum read the peer's buffer
   Line lines[2][kLines];
 };
 Shared shared[2];
 
-enum class Protocol { Flag, FlagPrefetch, Lines, LinesLastFirst };
-constexpr const char* kNames[] = {"flag", "flag+prefetch", "lines", "lines, last"};
+enum class Protocol {
+  Flag,
+  FlagPrefetch,
+  FlagPrefetchWrite,
+  FourBuffers,
+  OneBuffer,
+  Lines,
+  LinesLastFirst
+};
+constexpr const char* kNames[] = {"flag",     "flag+prefetch", "flag+prefetchw", "4 buffers",
+                                  "1 buffer", "lines",         "lines, last"};
 
 void pin(int cpu) {
   cpu_set_t set;
@@ -88,15 +105,24 @@ double run(Protocol protocol, int me, int cpu) {
   const char* src = reinterpret_cast<const char*>(in);
   const auto start = Clock::now();
   for (uint64_t r = 1; r <= kRounds; ++r) {
-    const int buf = static_cast<int>(r % 2);
-    if (protocol == Protocol::Flag || protocol == Protocol::FlagPrefetch) {
+    const int buf = static_cast<int>(protocol == Protocol::FourBuffers ? r % 4
+                                     : protocol == Protocol::OneBuffer ? 0
+                                                                       : r % 2);
+    if (protocol != Protocol::Lines && protocol != Protocol::LinesLastFirst) {
+      if (protocol == Protocol::OneBuffer) {
+        while (theirs.done.round.load(std::memory_order_acquire) + 1 < r) _mm_pause();
+      }
       std::memcpy(mine.staging[buf], src, kBytes);
       mine.staged.round.store(r, std::memory_order_release);
       while (theirs.staged.round.load(std::memory_order_acquire) < r) _mm_pause();
       if (protocol == Protocol::FlagPrefetch) {
         for (size_t b = 0; b < kBytes; b += kLine) _mm_prefetch(theirs.staging[buf] + b, _MM_HINT_T0);
       }
+      if (protocol == Protocol::FlagPrefetchWrite) {
+        for (size_t b = 0; b < kBytes; b += kLine) _mm_prefetch(mine.staging[1 - buf] + b, _MM_HINT_ET0);
+      }
       sum(out, in, reinterpret_cast<const float*>(theirs.staging[buf]));
+      if (protocol == Protocol::OneBuffer) mine.done.round.store(r, std::memory_order_release);
     } else {
       for (size_t l = 0; l < kLines; ++l) {
         const size_t n = std::min(kLineData, kBytes - l * kLineData);
