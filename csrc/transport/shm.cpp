@@ -690,7 +690,7 @@ void ShmTransport::recvReduceCopySend(const kernels::ReduceSpec& spec, Hop hop,
 }
 
 void ShmTransport::copy(void* dst, const void* src, size_t bytes) {
-  if (dst != src) std::memcpy(dst, src, bytes);
+  if (dst != src && bytes) std::memcpy(dst, src, bytes);
 }
 
 void ShmTransport::stage(void* dst, const void* src, size_t bytes) {

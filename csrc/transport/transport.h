@@ -77,7 +77,8 @@ class RingLink {
 class LocalOps {
  public:
   virtual ~LocalOps() = default;
-  // dst = src, bytes long (a no-op when dst == src).
+  // dst = src, bytes long (a no-op when dst == src or bytes == 0: an empty
+  // tensor's pointer may be null, which memcpy must not be given).
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   // The same into a staging buffer (PeerMemory), which peers read next: the
   // transport may pick the stores that suit its readers.
