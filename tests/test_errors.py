@@ -111,35 +111,6 @@ def test_gpu_backends_without_a_gpu_fail_clearly():
             pyddp.new_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def test_bad_settings_in_environment(monkeypatch):
-    monkeypatch.setenv("PYDDP_SLOT_BYTES", "100")
-    with pytest.raises(ValueError, match="PYDDP_SLOT_BYTES.*multiple of 64"):
-        pyddp.RingOptions()
-    monkeypatch.setenv("PYDDP_SLOT_BYTES", "lots")
-    with pytest.raises(ValueError, match="PYDDP_SLOT_BYTES='lots' is not an integer"):
-        pyddp.RingOptions()
-    monkeypatch.delenv("PYDDP_SLOT_BYTES")
-    monkeypatch.setenv("PYDDP_ALGO", "fastest")
-    with pytest.raises(ValueError, match="PYDDP_ALGO='fastest'"):
-        pyddp.RingOptions()
-    monkeypatch.delenv("PYDDP_ALGO")
-    monkeypatch.setenv("PYDDP_SLOT_STORES", "uncached")
-    with pytest.raises(ValueError, match="PYDDP_SLOT_STORES='uncached' is not one of auto, "
-                                         "cached, streaming"):
-        pyddp.RingOptions()
-    monkeypatch.delenv("PYDDP_SLOT_STORES")
-    for text, says in (("-1", "PYDDP_CMA_MIN_BYTES='-1' must not be negative"),
-                       ("1M", "PYDDP_CMA_MIN_BYTES='1M' is not an integer")):
-        monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", text)
-        with pytest.raises(ValueError, match=says):
-            pyddp.RingOptions()
-    monkeypatch.delenv("PYDDP_CMA_MIN_BYTES")
-    monkeypatch.setenv("PYDDP_CMA", "sometimes")
-    with pytest.raises(ValueError, match="PYDDP_CMA='sometimes' is not one of auto, always, "
-                                         "never"):
-        pyddp.RingOptions()
-
-
 def test_rank_that_never_joins_is_named_and_nothing_is_left():
     path = tempfile.mktemp(prefix="pyddp-join-")
     before = set(pyddp_segments())

@@ -10,6 +10,20 @@
 
 namespace pyddp {
 
+// The values an integer setting may take: [min, max], multiples of `step`.
+// Checked on the value as written (an environment variable's text, a
+// field's value), before it is narrowed to its field's type.
+struct IntRange {
+  long long min;
+  long long max;
+  long long step = 1;
+};
+// Slots hold whole elements of every dtype and start on cache lines.
+constexpr IntRange kSlotBytesRange{64, 1LL << 30, 64};
+// The fused ring verbs hold one received piece while claiming a send slot.
+constexpr IntRange kNumSlotsRange{2, 1024};
+constexpr IntRange kStagingRange{0, 1LL << 30};  // direct_max_bytes, two_shot_max_bytes
+
 // RingOptions of one process group. Defaults come from the environment; Python
 // may override fields (pyddp.RingOptions) before creating the group. All
 // ranks must use the same geometry (slotBytes, numSlots, directMaxBytes):
