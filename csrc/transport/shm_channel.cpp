@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <stdexcept>
 
 #include "common/blob.h"
@@ -623,10 +624,18 @@ void ShmMessages::expire(Clock::time_point now) {
     deadPeers[peer] = deadPeer_(peer);
     if (!deadPeers[peer].empty()) i->unsent.clear();  // nobody reads them
   }
+  // A receive from any source fails once a sender it may have waited for
+  // is dead and nothing it posted is left to read: the message may have
+  // been that rank's, as a named receive from it would fail now too.
+  std::optional<std::string> deadSenders;
   for (auto& [id, op] : ops_) {
     if (op.state != State::Pending) continue;
     if (op.peer == kAnySource) {
-      if (now >= op.deadline) {
+      if (!deadSenders) deadSenders = drainedDeadSenders(deadPeers);
+      if (!deadSenders->empty()) {
+        finish(id, op, State::Failed, who() + ": " + describe(op) + " cannot complete: " +
+               *deadSenders);
+      } else if (now >= op.deadline) {
         finish(id, op, State::Failed, who() + ": " + describe(op) + " did not complete within "
                "its timeout: no rank sent a message with its tag");
       }
@@ -662,6 +671,27 @@ void ShmMessages::expire(Clock::time_point now) {
         (late ? " did not complete within its timeout: " : " cannot complete: ") + cause;
     giveUp(id, op, why, !dead.empty());
   }
+}
+
+std::string ShmMessages::drainedDeadSenders(std::unordered_map<int, std::string>& deadPeers) {
+  std::string dead;
+  int count = 0;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    if (!deadPeers.count(peer)) deadPeers[peer] = deadPeer_(peer);
+    if (deadPeers[peer].empty()) continue;
+    // Still to read: a channel not looked up yet, or pieces posted and unread.
+    const In* i = ins_[peer].get();
+    const bool drained = !i || i->failed ||
+        (i->header && i->header->posted.value.load(std::memory_order_acquire) == i->received);
+    if (!drained) continue;
+    dead += (dead.empty() ? "" : "; ") + deadPeers[peer];
+    ++count;
+  }
+  if (count == 0) return "";
+  return dead + (count == 1 ? "; the message may have been that rank's"
+                             : "; the message may have been one of theirs") +
+      (count == size_ - 1 ? ", and no live rank is left to send it" : "");
 }
 
 void ShmMessages::giveUp(uint64_t id, Op& op, const std::string& why, bool peerDead) {

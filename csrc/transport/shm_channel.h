@@ -277,6 +277,10 @@ class ShmMessages final : public MessageLink {
   void reclaimDead() noexcept;
   // Fails operations past their deadline. mu_ held.
   void expire(Clock::time_point now);
+  // Why a receive from any source cannot complete: the dead senders whose
+  // channels hold nothing left to read, each as deadPeer_ says it; "" if
+  // none. Fills `deadPeers` (deadPeer_ by rank) as it asks. mu_ held.
+  std::string drainedDeadSenders(std::unordered_map<int, std::string>& deadPeers);
   // Fails pending operation `id` with `why`; with its channel (telling the
   // peer) when part of its message moved or the peer is dead, since the
   // channel is then out of step. mu_ held.
