@@ -11,8 +11,8 @@
 //     slots alone went (what transport/slot_stores.h measures).
 // On a virtual machine the host decides where the two vCPUs run, and may
 // move them while a job runs: run this before and after a benchmark to know
-// which case it measured (benchmarks/README.md, "Where the host puts the
-// two vCPUs").
+// which case it measured
+// (benchmarks/studies/where-the-host-puts-the-two-vcpus.md).
 //
 //   g++ -O2 -pthread benchmarks/core_distance.cpp -o /tmp/core_distance
 //   /tmp/core_distance [A B]

@@ -3,8 +3,9 @@
 Two spawned ranks make one pyddp group per variant of a comparison, identical
 but for the options it names, and time a loop of one collective on each in
 turn, round after round, so that all see the same placement of the two
-ranks' cores even when the host moves them (benchmarks/README.md, "Where the
-host puts the two vCPUs"). Prints each round's time per call for each
+ranks' cores even when the host moves them
+(benchmarks/studies/where-the-host-puts-the-two-vcpus.md). Prints each
+round's time per call for each
 variant, and the last variant's time over the fastest of the others. Each
 group's first call is checked against the expected result. Comparisons:
 

@@ -21,8 +21,9 @@
 //                  the reader waits for each line's R and unpacks its 56
 //                  bytes into a contiguous buffer, then sums;
 //   lines, last    the same, waiting for the last line's R first.
-// benchmarks/README.md, "A wait's first clock reading" and "Which lines a
-// staged exchange writes", has its numbers on the AMD EPYC VM. On a
+// benchmarks/studies/a-waits-first-clock-reading.md and
+// benchmarks/studies/which-lines-a-staged-exchange-writes.md have its
+// numbers on the AMD EPYC VM. On a
 // virtual machine, run benchmarks/core_distance.cpp before and after to
 // know how far apart the two vCPUs were.
 //

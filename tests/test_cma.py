@@ -397,8 +397,8 @@ def test_a_receiver_whose_writer_died_announcing_a_write_is_not_held():
 
 # --- rank 0's choice, fed modelled times -----------------------------------------
 
-# ns per byte per rank, from benchmarks/README.md ("Single copy through the
-# kernel"): all_gather of 1 MiB, the slots near (about 200 us) and far (about
+# ns per byte per rank, from benchmarks/studies/single-copy-through-the-kernel.md:
+# all_gather of 1 MiB, the slots near (about 200 us) and far (about
 # 280 us), the kernel copy at about 180 us either way.
 SLOTS_NEAR, SLOTS_FAR, KERNEL = 200e3 / (1 << 20), 280e3 / (1 << 20), 180e3 / (1 << 20)
 SIZE = 1 << 20

@@ -9,8 +9,8 @@
 // the ranks' vCPUs, the slots' cached handoffs 9-12 GB/s between near cores
 // and 2.3-2.9 GB/s between far ones (transport/slot_stores.h), so at 256
 // KiB to 4 MiB per rank the kernel copy won every round of one batch and
-// lost most of the next (benchmarks/README.md, "Single copy through the
-// kernel"). So the choice follows an estimate of nanoseconds per byte of
+// lost most of the next (benchmarks/studies/single-copy-through-the-kernel.md).
+// So the choice follows an estimate of nanoseconds per byte of
 // each path, per collective kind and power-of-two size, the median of its
 // recent times (common/cost_estimate.h); it takes the kernel once that is
 // clearly cheaper, keeps it while it is cheaper at all, takes the slots

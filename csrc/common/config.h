@@ -111,8 +111,9 @@ constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
 bool readsRegistered(CollectiveKind kind, size_t bytes);
 // RingOptions::cmaMinBytes by default. `python benchmarks/side_by_side.py
-// cma OP BYTES 4` on the 2-core AMD EPYC VM (benchmarks/README.md, "Single
-// copy through the kernel"), 2 ranks, rounds alternating between the
+// cma OP BYTES 4` on the 2-core AMD EPYC VM
+// (benchmarks/studies/single-copy-through-the-kernel.md), 2 ranks,
+// rounds alternating between the
 // slots, the kernel copy and auto: from 256 KiB to 16 MiB auto was within
 // 1.1x of the faster of the two in 113 of 144 rounds. Below, since a
 // broadcast's root writes half of it: at 64 and 128 KiB per rank the

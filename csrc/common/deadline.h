@@ -3,7 +3,8 @@
 // The timeout travels with the time so that an error can name it ("did not
 // arrive within the timeout of 30000 ms") without reading the clock again
 // to recover it: a clock read (24 ns on the AMD EPYC VM of
-// benchmarks/README.md) is a sixth of a barrier of one rank.
+// benchmarks/studies/the-barriers-path.md) is a sixth of a barrier of one
+// rank.
 //
 // For the same reason after() reads the coarse clock: Clock's own
 // (steady_clock is CLOCK_MONOTONIC) as of its last tick, in 6 ns there.

@@ -56,8 +56,9 @@ std::atomic<LoopIsa>& currentLoopIsa() {
 // under the function's target. Only the kernels' loops run here, where the
 // element-wise work is; the rest of the library stays at the baseline.
 // 2 ranks, all_reduce of float32 (`python benchmarks/side_by_side.py
-// loop_isa all_reduce BYTES`, AMD EPYC VM; benchmarks/README.md, "Vector
-// loops for the reductions"), us per call with the baseline's 16-byte
+// loop_isa all_reduce BYTES`, AMD EPYC VM;
+// benchmarks/studies/vector-loops-for-the-reductions.md), us per call with
+// the baseline's 16-byte
 // vectors and AVX2's 32-byte ones: near cores 64 KiB 14.7 -> 11.0, 64 MiB
 // 9725 -> 8150; far cores 64 KiB 41.5 -> 29.3, 1 MiB 530 -> 425. A build
 // for AVX-512 ran as fast as AVX2's, so it is not built.

@@ -78,7 +78,7 @@ PYDDP_AVX2_F16C inline __m128i round8(__m256 x, const c10::BFloat16*) {
 // of two bf16 operands (a 2-rank all_reduce's whole reduction), 16,384
 // elements in L1: 0.33-0.35 -> 0.25 ns per element; 2 ranks, all_reduce
 // 1-64 MiB, bfloat16 against float32's bandwidth: 0.55-0.84x -> 0.74-1.01x
-// (benchmarks/README.md, "Half types").
+// (benchmarks/studies/half-types.md).
 struct Bf16x16 {
   __m256 a, b;
 };

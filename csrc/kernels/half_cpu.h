@@ -40,7 +40,7 @@ bool vectorHalfConversions();
 // as Sum with its divisor. With the tiles alone a half type's ring step
 // cost more than its bytes: 2 ranks, all_reduce, 1 to 64 MiB, bfloat16 and
 // float16 reached 0.46-0.54x float32's bandwidth, and 0.75-1.05x with these
-// passes (benchmarks/README.md, "Half types").
+// passes (benchmarks/studies/half-types.md).
 size_t reducePartialVector(RedOp op, float* dst, const void* in, Incoming incoming,
                            const c10::Half* local, size_t n);
 size_t reducePartialVector(RedOp op, float* dst, const void* in, Incoming incoming,

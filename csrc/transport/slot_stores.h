@@ -13,7 +13,7 @@
 // fetches them from the writer's cache; streaming stores send the lines
 // towards memory instead. Both ends of it, measured on the AMD EPYC VM with
 // benchmarks/core_distance.cpp (8 slots of 64 KiB, both directions at once;
-// benchmarks/README.md, "Where the host puts the two vCPUs"):
+// benchmarks/studies/where-the-host-puts-the-two-vcpus.md):
 //
 //   round trip of a cache line   near 130-175 ns        far 500-1000 ns
 //   writer's copy into a slot    cached 22-24 GB/s,     cached 3.7 GB/s,
@@ -88,8 +88,8 @@ class SlotStoreChooser {
   // 1.9-4.7 on near cores, where cached stores made all_reduce and
   // all_gather 1.4-1.6x faster (1.1-1.3 us against 1.6-2.1), and 7.5-10.5
   // on far ones, where streaming stores made all_reduce 1.6x faster (1.7 us
-  // against 2.8-3.7; benchmarks/README.md, "Streaming stores for staged
-  // chunks").
+  // against 2.8-3.7;
+  // benchmarks/studies/streaming-stores-for-staged-chunks.md).
   static constexpr double kStagedStreamingAdvantage = 6;
   // Each kind's estimate is the floor of its times (common/cost_estimate.h),
   // which a higher sample raises by at most this factor. With a moving

@@ -10,7 +10,8 @@
 // running, and spinning keeps it off the core (Open MPI yields at once
 // under --oversubscribe too). 4 ranks on 2 cores, all_reduce of 4 KiB:
 // 60.9 us spinning first, 34.0 us yielding at once (3 ranks: 69.4 and
-// 14.3 us; `python -m pyddp.bench --world-size 4`, benchmarks/README.md).
+// 14.3 us; `python -m pyddp.bench --world-size 4`,
+// benchmarks/studies/3-and-4-ranks-on-2-cores.md).
 //
 // A wait for a ring slot spins for much less (kPieceSpinPhase): the peer is
 // inside the same collective, moving a piece that takes microseconds, so a
