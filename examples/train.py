@@ -1,8 +1,9 @@
-"""pyddp's main job: train a small CNN on handwritten digits across CPU processes.
+"""pyddp's main job: train a small CNN on handwritten digits across processes.
 
     torchrun --nproc-per-node 2 examples/train.py     # torchrun starts the ranks
     python examples/train.py                          # starts 2 ranks itself
     python examples/train.py --nproc 1                # one process, no DDP: the reference
+    python examples/train.py --device cuda            # the same on GPUs
     torchrun --nproc-per-node 2 --max-restarts 2 examples/train.py --checkpoint DIR
                                                       # survives a rank's death
 
@@ -20,6 +21,16 @@ temporary file, then renamed: a checkpoint is whole or absent), and every
 rank resumes from it at start. When a rank dies, pyddp makes the others fail
 at once naming it; torchrun (``--max-restarts``) starts them all again, and
 they go on from the last checkpoint to the model an uninterrupted run makes.
+
+``--device`` says where the model, the data and the optimizer's state live:
+``cpu`` (the default), ``cuda`` or ``auto`` (``cuda`` where torch sees a GPU
+and pyddp can carry CUDA tensors between the ranks, else ``cpu``). On
+``cuda``, rank r takes GPU ``LOCAL_RANK % torch.cuda.device_count()`` (its
+rank when this script starts the ranks), so ranks share GPUs round-robin
+when there are fewer GPUs than ranks, and the ranks meet in a pyddp group of
+backend "auto", which serves CUDA tensors (``pyddp.devices``). ``--device
+cuda`` where CUDA cannot serve the job fails before any rank starts, saying
+why. A checkpoint saved on one device loads on the other.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyddp import devices
 from pyddp._launch import LaunchError, Rendezvous, spawn
 
 TIMEOUT_S = 300
@@ -71,21 +83,24 @@ def load_digits(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return images[train], labels[train], images[test], labels[test]
 
 
-def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
-    """Trains on this rank; returns the final test accuracy (the same on every rank)."""
+def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.device,
+          local_world_size: int) -> float:
+    """Trains on this rank, on ``device``; returns the final test accuracy (the same on every
+    rank). ``local_world_size``: the ranks on this rank's host."""
     import pyddp
     from pyddp.ddp import DistributedDataParallel
 
     torch.set_num_threads(1)  # one core per rank on a small machine
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_digits(args.seed)
-    model: nn.Module = DigitsCNN()
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(args.seed))
+    # Initialised on the CPU, then moved: every device starts from the same parameters.
+    model: nn.Module = DigitsCNN().to(device)
     ddp: Optional[DistributedDataParallel] = None
     if world_size > 1:
         ddp = DistributedDataParallel(model)
         model = ddp
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    done = _resume(args.checkpoint, model, optimizer)
+    done = _resume(args.checkpoint, model, optimizer, device)
     if args.batch_size % world_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the "
                          f"{world_size} ranks")
@@ -93,9 +108,16 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
     steps = len(y_train) // args.batch_size
     show = rank == 0
     if show:
+        where = ("" if device.type == "cpu" else
+                 f", on {device.type} ({torch.cuda.device_count()} GPU(s), "
+                 f"{torch.cuda.get_device_name(device)})")
         print(f"digits: {len(y_train)} train / {len(y_test)} test images; {world_size} "
               f"rank(s), global batch {args.batch_size} ({local_batch} per rank), "
-              f"{sum(p.numel() for p in model.parameters())} parameters", flush=True)
+              f"{sum(p.numel() for p in model.parameters())} parameters{where}", flush=True)
+        note = (devices.sharing_note(local_world_size, torch.cuda.device_count())
+                if device.type == "cuda" else None)
+        if note:
+            print(note, flush=True)
         if done:
             print(f"resumed from {args.checkpoint} after {done} steps", flush=True)
     bar = _progress(show, args.epochs * steps)
@@ -105,7 +127,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
     for epoch in range(done // steps, args.epochs):
         # Every rank draws the same permutation and takes its slice of each global batch.
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(
-            args.seed * 1000 + epoch))
+            args.seed * 1000 + epoch)).to(device)
         model.train()
         loss_sum, comm_wait, start = 0.0, 0.0, time.perf_counter()
         first = done - epoch * steps if epoch == done // steps else 0
@@ -144,15 +166,16 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
     return accuracy
 
 
-def _resume(directory: Optional[str], model: nn.Module,
-            optimizer: torch.optim.Optimizer) -> int:
-    """Loads the checkpoint in ``directory`` if there is one; the steps it had done (0 if none)."""
+def _resume(directory: Optional[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+            device: torch.device) -> int:
+    """Loads the checkpoint in ``directory`` onto ``device`` if there is one, whichever device
+    saved it; the steps it had done (0 if none)."""
     if not directory:
         return 0
     path = os.path.join(directory, CHECKPOINT_FILE)
     if not os.path.exists(path):
         return 0
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location=device)
     (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["steps"])
@@ -175,7 +198,8 @@ def _test_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int
     model.eval()
     with torch.no_grad():
         mine = slice(rank, len(y), world_size)
-        correct = (model(x[mine]).argmax(1) == y[mine]).sum().to(torch.float64)
+        # Summed on the CPU, as the losses are, whatever the device.
+        correct = (model(x[mine]).argmax(1) == y[mine]).sum().to("cpu", torch.float64)
     return _sum_over_ranks(correct, world_size) / len(y)
 
 
@@ -207,12 +231,23 @@ def _write(bar, line: str) -> None:
         bar.write(line)
 
 
+def _rank_device(device_type: str, local_rank: int, local_world_size: int) -> torch.device:
+    """This rank's device; on CUDA its GPU (``pyddp.devices.use_gpu``), made current before
+    the rank makes its group."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return devices.use_gpu(local_rank, local_world_size)
+
+
 def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace
                   ) -> None:
     import pyddp
 
-    pyddp.init_process_group("shm", init_method=init_method, rank=rank, world_size=world_size)
-    train(rank, world_size, args)
+    # One host: the rank is the local rank.
+    device = _rank_device(args.device, rank, world_size)
+    pyddp.init_process_group(devices.GROUP_BACKEND[args.device], init_method=init_method,
+                             rank=rank, world_size=world_size)
+    train(rank, world_size, args, device, world_size)
 
 
 def _start_ranks(world_size: int, args: argparse.Namespace) -> int:
@@ -227,7 +262,7 @@ def _start_ranks(world_size: int, args: argparse.Namespace) -> int:
     return max((code or 0 for code in job.exitcodes()), key=abs)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks to start when not run by torchrun (default 2; 1 trains "
@@ -239,15 +274,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--checkpoint", metavar="DIR", default=None,
                         help="save to DIR every --checkpoint-every steps and resume from it")
     parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
+    parser.add_argument("--device", choices=devices.DEVICE_CHOICES, default="cpu",
+                        help="where to train: cpu (default), cuda (rank r on GPU "
+                             "LOCAL_RANK %% device count), or auto (cuda where it can "
+                             "serve, else cpu)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        # Decided before any rank or group starts; the ranks get "cpu" or "cuda".
+        ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+        args.device = devices.resolve(args.device, pyddp_groups=ranks > 1)
+    except devices.DeviceUnavailable as error:
+        parser.error(str(error))
+    if torchrun:
         import pyddp
 
-        pyddp.init_process_group("shm")  # env:// from torchrun's variables
-        train(pyddp.get_rank(), pyddp.get_world_size(), args)
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        device = _rank_device(args.device, int(os.environ.get("LOCAL_RANK", "0")),
+                              local_world_size)
+        pyddp.init_process_group(devices.GROUP_BACKEND[args.device])  # env:// from torchrun
+        train(pyddp.get_rank(), pyddp.get_world_size(), args, device, local_world_size)
         return 0
     if args.nproc == 1:
-        train(0, 1, args)
+        train(0, 1, args, _rank_device(args.device, 0, 1), 1)
         return 0
     return _start_ranks(args.nproc, args)
 

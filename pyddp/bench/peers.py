@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from pyddp import devices
 from pyddp._launch import temporary_environ
+# tests/test_bench.py reads NCCL's version for ranks sharing a GPU here.
+from pyddp.devices import NCCL_MULTI_RANK_GPU_VERSION  # noqa: F401
 
 MPIRUN_VERSION_SECONDS = 30.0
 """How long ``mpirun --version`` may take (it answers in well under a second)."""
@@ -127,15 +130,6 @@ def _exchange(lib: types.ModuleType, group: object, output: torch.Tensor, input:
     return run
 
 
-# Several ranks on one GPU: NCCL allows it from this version on, with
-# NCCL_MULTI_RANK_GPU_ENABLE=1; pyddp's cuda_ipc always does.
-NCCL_MULTI_RANK_GPU_VERSION = (2, 30)
-
-
-def _shares_gpu(ctx: RankContext) -> bool:
-    return torch.cuda.device_count() < ctx.local_world_size
-
-
 def _cuda_reason(ctx: RankContext, nccl: bool = False) -> Optional[str]:
     """Why this rank cannot run a CUDA peer here; None if it can.
 
@@ -144,21 +138,10 @@ def _cuda_reason(ctx: RankContext, nccl: bool = False) -> Optional[str]:
     """
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if nccl and _shares_gpu(ctx):
-        version = tuple(torch.cuda.nccl.version()[:2])
-        if version < NCCL_MULTI_RANK_GPU_VERSION:
-            return (f"{ctx.local_world_size} ranks on {torch.cuda.device_count()} GPU(s) need "
-                    f"NCCL >= {'.'.join(map(str, NCCL_MULTI_RANK_GPU_VERSION))}, "
-                    f"torch has {'.'.join(map(str, version))}")
+    if nccl:
+        return devices.nccl_refusal(ctx.local_world_size, torch.cuda.device_count(),
+                                    torch.cuda.nccl.version())
     return None
-
-
-def _cuda_device(ctx: RankContext) -> torch.device:
-    device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    if _shares_gpu(ctx):
-        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-    return device
 
 
 class _TorchGroupCalls:
@@ -251,7 +234,7 @@ class TorchNcclPeer(_TorchGroupCalls):
 
     @classmethod
     def open(cls, ctx: RankContext) -> "TorchNcclPeer":
-        device = _cuda_device(ctx)
+        device = devices.use_gpu(ctx.local_rank, ctx.local_world_size)
         return cls(dist.new_group(backend="nccl", timeout=ctx.timeout), device)
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
@@ -307,7 +290,8 @@ class _PyddpPeer:
 
     @classmethod
     def open(cls, ctx: RankContext) -> "_PyddpPeer":
-        device = _cuda_device(ctx) if cls._cuda else torch.device("cpu")
+        device = (devices.use_gpu(ctx.local_rank, ctx.local_world_size) if cls._cuda
+                  else torch.device("cpu"))
         env = {"PYDDP_ALGO": cls._algo} if cls._algo else {}
         with temporary_environ(env):
             group = pyddp.new_group(cls._backend(ctx), store=ctx.store(cls.name),
