@@ -28,6 +28,7 @@
 #include "common/check.h"
 #include "common/config.h"
 #include "common/interrupt.h"
+#include "common/process_state.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_engine.h"
@@ -43,12 +44,16 @@ using namespace pyddp;
 namespace {
 
 // The GIL of one call, given up at most once and taken back when the call
-// returns.
+// returns; unless the interpreter is exiting (common/process_state.h): the
+// thread then parks before it would take the GIL back, which ends it from
+// this destructor and so aborts the process.
 class GilHandoff {
  public:
   GilHandoff() = default;
   ~GilHandoff() {
-    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+    if (saved_ == nullptr) return;
+    process::parkIfExiting();
+    PyEval_RestoreThread(saved_);
   }
   GilHandoff(const GilHandoff&) = delete;
   GilHandoff& operator=(const GilHandoff&) = delete;
@@ -59,6 +64,22 @@ class GilHandoff {
 
  private:
   PyThreadState* saved_ = nullptr;
+};
+
+// pybind's call guard for calls that give the GIL up for their whole
+// length, parking at exit as GilHandoff does.
+class ReleaseGil {
+ public:
+  ReleaseGil() : saved_(PyEval_SaveThread()) {}
+  ~ReleaseGil() {
+    process::parkIfExiting();
+    PyEval_RestoreThread(saved_);
+  }
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* const saved_;
 };
 
 // When a call lets Python's other threads run: at once, or only once it
@@ -104,6 +125,7 @@ class PythonSignals {
 
  private:
   bool check() {
+    process::parkIfExiting();
     py::gil_scoped_acquire gil;
     if (PyErr_CheckSignals() == 0) return false;
     raised_ = std::make_unique<py::error_already_set>();  // takes the pending exception
@@ -251,7 +273,7 @@ size_t bytesOf(const at::Tensor& t) {
 size_t bytesOf(RedOp) {
   return 0;
 }
-size_t bytesOf(int) {
+size_t bytesOf(int64_t) {
   return 0;
 }
 // A converted argument as the call keeps it while the GIL is released.
@@ -261,17 +283,19 @@ at::Tensor held(const at::Tensor& t) {
 RedOp held(RedOp op) {
   return op;
 }
-int held(int rank) {
+int64_t held(int64_t rank) {
   return rank;
 }
 
+// An int (not a bool) that fits 64 bits; the engine checks that it names
+// a rank.
 struct RankArg {
-  static std::optional<int> from(const Bound& b, PyObject* arg) {
+  static std::optional<int64_t> from(const Bound&, PyObject* arg) {
     if (arg == nullptr || !PyLong_CheckExact(arg)) return std::nullopt;  // not a bool either
     int overflow = 0;
     const long long value = PyLong_AsLongLongAndOverflow(arg, &overflow);
-    if (overflow != 0 || value < 0 || value >= b.engine->getSize()) return std::nullopt;
-    return static_cast<int>(value);
+    if (overflow != 0) return std::nullopt;
+    return static_cast<int64_t>(value);
   }
 };
 
@@ -427,7 +451,7 @@ c10::intrusive_ptr<c10d::Backend> torchGloo(const c10::intrusive_ptr<c10d::Store
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyddp's C++ core. Use the pyddp package, not this module.";
-  const auto release = py::call_guard<py::gil_scoped_release>();
+  const auto release = py::call_guard<ReleaseGil>();
 
   // What the import-time check compares with the running torch.
   m.attr("torch_version") = TORCH_VERSION;
@@ -518,7 +542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_gather", [](Engine& e, Ts outs, T in, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.allGatherList(outs, in, c); });
       }, py::arg("tensor_list"), py::arg("tensor"), async, timeout)
-      .def("broadcast", [](Engine& e, T t, int src, bool a, const Timeout& to) {
+      .def("broadcast", [](Engine& e, T t, int64_t src, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.broadcastFrom(t, src, c); });
       }, py::arg("tensor"), py::arg("src"), async, timeout)
       .def("reduce_scatter_single", [](Engine& e, T out, T in, RedOp op, bool a,
@@ -528,13 +552,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("barrier", [](Engine& e, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.barrierAll(c); });
       }, async, timeout)
-      .def("reduce", [](Engine& e, T t, RedOp op, int dst, bool a, const Timeout& to) {
+      .def("reduce", [](Engine& e, T t, RedOp op, int64_t dst, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.reduceTo(t, op, dst, c); });
       }, py::arg("tensor"), py::arg("op"), py::arg("dst"), async, timeout)
-      .def("gather", [](Engine& e, Ts outs, T in, int dst, bool a, const Timeout& to) {
+      .def("gather", [](Engine& e, Ts outs, T in, int64_t dst, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.gatherTo(outs, in, dst, c); });
       }, py::arg("gather_list"), py::arg("tensor"), py::arg("dst"), async, timeout)
-      .def("scatter", [](Engine& e, T out, Ts ins, int src, bool a, const Timeout& to) {
+      .def("scatter", [](Engine& e, T out, Ts ins, int64_t src, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.scatterFrom(out, ins, src, c); });
       }, py::arg("tensor"), py::arg("scatter_list"), py::arg("src"), async, timeout)
       .def("all_to_all_single", [](Engine& e, T out, T in, Splits outSplits, Splits inSplits,
@@ -559,10 +583,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            const Timeout& to) {
         return issue(a, to, [&](C c) { return e.reduceScatterCoalesced(outs, ins, op, c); });
       }, py::arg("outputs"), py::arg("inputs"), py::arg("op"), async, timeout)
-      .def("send", [](Engine& e, T t, int dst, int64_t tag, bool a, const Timeout& to) {
+      .def("send", [](Engine& e, T t, int64_t dst, int64_t tag, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.sendTo(t, dst, tag, c); });
       }, py::arg("tensor"), py::arg("dst"), py::arg("tag"), async, timeout)
-      .def("recv", [](Engine& e, T t, int src, int64_t tag, bool a, const Timeout& to) {
+      .def("recv", [](Engine& e, T t, int64_t src, int64_t tag, bool a, const Timeout& to) {
         return issue(a, to, [&](C c) { return e.recvFrom(t, src, tag, c); });
       }, py::arg("tensor"), py::arg("src"), py::arg("tag"), async, timeout)
       .def("monitored_barrier", [](Engine& e, const Timeout& to, bool waitAll) {
@@ -608,6 +632,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("work"), py::arg("timeout"),
       "work.wait(timeout) (0: no limit), interruptible by Python's signal handlers.");
+  m.def("begin_exit", &process::beginExit,
+        "The interpreter is exiting (pyddp's exit hook calls it first): from now on a thread "
+        "leaving a pyddp call for Python parks instead, since taking the GIL back during "
+        "finalisation would abort the process.");
   m.def("shut_down_live_engines", &shutDownLiveEngines, release,
         "Shuts down every engine made for a group that is still alive, torch.distributed's "
         "groups of the \"pyddp\" backend among them (pyddp calls it at exit).");

@@ -56,7 +56,6 @@ _ANY_SOURCE = -1
 # otherwise. (The candidates are a table in csrc/backend/engine_registry.cpp.)
 BACKENDS = tuple(_C.backend_names())
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-_TAG_MIN, _TAG_MAX = -2**31, 2**31 - 1
 
 # Each group gets its own store prefix, so a process can create, destroy and
 # re-create groups on one store.
@@ -71,7 +70,10 @@ def _shut_down_at_exit() -> None:
     once, and its channels leave /dev/shm), and joins the worker threads, which may
     still be releasing Python objects (a future callback that destroyed its own group
     leaves its worker to be joined here). A thread that takes the GIL once finalisation
-    has begun is ended in a way that aborts the process."""
+    has begun is ended in a way that aborts the process, so first the threads inside
+    pyddp's calls are told to stay out of Python: woken by the shutdown, they park
+    until the process ends."""
+    _C.begin_exit()
     _C.shut_down_live_engines()
     _C.join_stopped_workers()
 
@@ -361,22 +363,22 @@ class ProcessGroup:
                         f"got {value!r}")
 
     def _rank_arg(self, value: object, call: str, what: str) -> int:
-        """A rank of this group."""
-        rank = self._integral(value, call, what, " (a rank of this group)")
+        """A rank, as an int (the engine checks that it is one of this group's)."""
+        return self._integral(value, call, what, " (a rank of this group)")
+
+    def _member_arg(self, value: object, call: str, what: str) -> int:
+        """A rank of this group, for the calls that no engine checks (new_group's ranks)."""
+        rank = self._rank_arg(value, call, what)
         if not 0 <= rank < self._world_size:
             raise ValueError(f"pyddp: rank {self._rank}: {call}: {what}={rank} is not a rank of "
                              f"this group (world_size {self._world_size})")
         return rank
 
     def _tag_arg(self, value: object, call: str) -> int:
-        """A point-to-point tag: a 32-bit int, as torch.distributed's (the collectives' own
-        messages carry tags below every such int, so no user message can take theirs)."""
-        tag = self._integral(value, call, "tag")
-        if not _TAG_MIN <= tag <= _TAG_MAX:
-            raise ValueError(f"pyddp: rank {self._rank}: {call}: tag={tag} is not a 32-bit int "
-                             f"(tags range from {_TAG_MIN} to {_TAG_MAX}, as "
-                             "torch.distributed's)")
-        return tag
+        """A point-to-point tag, as an int (the engine checks that it is a 32-bit one, as
+        torch.distributed's: the collectives' own messages carry tags below every such
+        int, so no user message can take theirs)."""
+        return self._integral(value, call, "tag")
 
     def _tensor(self, t: object, call: str, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -741,7 +743,7 @@ def new_group(
         return create_group(**positional, **standalone)
     parent = _group(group, "new_group")
     members = sorted(range(parent.size()) if ranks is None else
-                     (parent._rank_arg(r, "new_group", "ranks entry") for r in ranks))
+                     (parent._member_arg(r, "new_group", "ranks entry") for r in ranks))
     if len(set(members)) != len(members) or not members:
         raise ValueError(f"pyddp: rank {parent.rank()}: new_group: ranks must be distinct ranks "
                          f"of the group, got {ranks!r}")

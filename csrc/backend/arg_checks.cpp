@@ -85,15 +85,15 @@ void ArgChecks::op(RedOp op, DataType dtype, const char* call) const {
   PYDDP_CHECK_TYPE(device_.is_cpu(), "rank ", rank_, ": ", call, ": ReduceOp.", toString(op),
                    " is supported on CPU tensors only (NCCL has no bitwise reductions)");
 }
-void ArgChecks::root(int root, const char* call, const char* what) const {
+void ArgChecks::root(int64_t root, const char* call, const char* what) const {
   PYDDP_CHECK_VALUE(root >= 0 && root < size_, "rank ", rank_, ": ", call, ": ", what, "=",
                     root, " is not a rank of this group (world_size ", size_, ")");
 }
 
-void ArgChecks::peer(int peer, const char* call, const char* what) const {
-  PYDDP_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "rank ", rank_, ": ", call, ": ",
-                    what, "=", peer, " must be another rank of this group (world_size ", size_,
-                    ")");
+void ArgChecks::peer(int64_t peer, const char* call, const char* what) const {
+  root(peer, call, what);
+  PYDDP_CHECK_VALUE(peer != rank_, "rank ", rank_, ": ", call, ": ", what, "=", peer,
+                    " must be another rank of this group, not this rank");
 }
 
 void ArgChecks::tag(int64_t tag, const char* call) const {
@@ -105,7 +105,7 @@ void ArgChecks::tag(int64_t tag, const char* call) const {
 }
 
 void ArgChecks::blockList(const std::vector<at::Tensor>& list, const at::Tensor& input,
-                          const char* call, const char* name) const {
+                          const char* call, const char* name, bool written) const {
   const std::string entry = std::string(name) + " entry";
   PYDDP_CHECK_VALUE(static_cast<int>(list.size()) == size_, "rank ", rank_, ": ", call, ": ",
                     name, " has ", list.size(), " tensors, expected world_size = ", size_);
@@ -116,7 +116,7 @@ void ArgChecks::blockList(const std::vector<at::Tensor>& list, const at::Tensor&
     PYDDP_CHECK_VALUE(t.numel() == input.numel(), "rank ", rank_, ": ", call, ": ", name,
                       " entry has ", t.numel(), " elements, expected ", input.numel(),
                       " (the input's)");
-    writable(t, call, entry.c_str());
+    if (written) writable(t, call, entry.c_str());
   }
   // The input may be one of the entries (in place), and otherwise share no
   // memory with them, as in single(): a block shifted by part of one would
@@ -140,6 +140,25 @@ DataType ArgChecks::sameType(const std::vector<at::Tensor>& tensors, const char*
                      what, " must have dtype ", tensors[0].scalar_type(), ", got ",
                      t.scalar_type());
     if (written) writable(t, call, what);
+  }
+  return dtype;
+}
+
+DataType ArgChecks::coalesced(const std::vector<at::Tensor>& outputs,
+                              const std::vector<at::Tensor>& inputs, const char* call,
+                              bool outputIsWhole) const {
+  const DataType dtype = sameType(inputs, call, "input", false);
+  PYDDP_CHECK_VALUE(outputs.size() == inputs.size(), "rank ", rank_, ": ", call, ": ",
+                    outputs.size(), " outputs for ", inputs.size(), " inputs");
+  PYDDP_CHECK_TYPE(sameType(outputs, call, "output", true) == dtype, "rank ", rank_, ": ", call,
+                   ": outputs and inputs differ in dtype");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& whole = outputIsWhole ? outputs[i] : inputs[i];
+    const at::Tensor& block = outputIsWhole ? inputs[i] : outputs[i];
+    PYDDP_CHECK_VALUE(whole.numel() == block.numel() * size_, "rank ", rank_, ": ", call, ": ",
+                      outputIsWhole ? "output " : "input ", i, " has ", whole.numel(),
+                      " elements, expected ", block.numel() * size_, " (world_size x ",
+                      outputIsWhole ? "input " : "output ", i, ")");
   }
   return dtype;
 }
@@ -178,6 +197,30 @@ ArgChecks::AllToAll ArgChecks::allToAll(const at::Tensor& output, const at::Tens
   a.row = rowElements(output, input, call);
   a.out = splits(output, outputSplits, a.row, call, "output");
   a.in = splits(input, inputSplits, a.row, call, "input");
+  return a;
+}
+
+ArgChecks::AllToAll ArgChecks::allToAllLists(const std::vector<at::Tensor>& outputs,
+                                             const std::vector<at::Tensor>& inputs,
+                                             const char* call) const {
+  PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ &&
+                        static_cast<int>(inputs.size()) == size_,
+                    "rank ", rank_, ": ", call, ": got ", outputs.size(), " outputs and ",
+                    inputs.size(), " inputs, expected world_size = ", size_, " of each");
+  AllToAll a;
+  a.dtype = sameType(inputs, call, "input", false);
+  PYDDP_CHECK_TYPE(sameType(outputs, call, "output", true) == a.dtype, "rank ", rank_, ": ",
+                   call, ": every input and output must have dtype ", inputs[0].scalar_type());
+  a.row = 1;
+  size_t inAt = 0, outAt = 0;
+  for (int k = 0; k < size_; ++k) {
+    a.in.counts.push_back(inputs[k].numel());
+    a.in.offsets.push_back(inAt);
+    inAt += inputs[k].numel();
+    a.out.counts.push_back(outputs[k].numel());
+    a.out.offsets.push_back(outAt);
+    outAt += outputs[k].numel();
+  }
   return a;
 }
 

@@ -28,19 +28,26 @@ class ArgChecks {
   DataType single(const char* call, const at::Tensor& output, const at::Tensor& input,
                   bool outputIsWhole) const;
   void op(RedOp op, DataType dtype, const char* call) const;
-  void root(int root, const char* call, const char* what) const;
+  void root(int64_t root, const char* call, const char* what) const;
   // Another rank of the group, for point-to-point.
-  void peer(int peer, const char* call, const char* what) const;
+  void peer(int64_t peer, const char* call, const char* what) const;
   // A point-to-point tag: a C int, as torch.distributed's (the tags of the
   // collectives' own messages lie below every int, so none can be taken).
   void tag(int64_t tag, const char* call) const;
-  // A world-sized list of writable tensors each shaped as `input` (in
-  // elements and dtype): all_gather's tensor_list, gather's gather_list.
+  // A world-sized list of tensors each shaped as `input` (in elements and
+  // dtype), writable when `written`: all_gather's tensor_list, gather's
+  // gather_list, scatter's scatter_list.
   void blockList(const std::vector<at::Tensor>& list, const at::Tensor& input, const char* call,
-                 const char* name) const;
+                 const char* name, bool written = true) const;
   // The one dtype of a coalesced call's tensors (writable when `written`).
   DataType sameType(const std::vector<at::Tensor>& tensors, const char* call, const char* what,
                     bool written) const;
+  // A coalesced all-gather (outputIsWhole) or reduce-scatter: as many
+  // outputs as inputs, all of one dtype, the outputs writable, and each
+  // world-sized tensor world_size times its rank-sized one in elements;
+  // returns the dtype.
+  DataType coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                     const char* call, bool outputIsWhole) const;
   // all_gather_coalesced's lists: `inputs` of one dtype, and world_size
   // output lists, each shaped as `inputs` (tensor by tensor, in dtype and
   // shape, as gloo checks them); returns the dtype.
@@ -65,6 +72,10 @@ class ArgChecks {
   AllToAll allToAll(const at::Tensor& output, const at::Tensor& input,
                     const std::vector<int64_t>& outputSplits,
                     const std::vector<int64_t>& inputSplits, const char* call) const;
+  // all_to_all's lists: world_size inputs and outputs of one dtype, the
+  // outputs writable; block k of each is its tensor k, in elements (row 1).
+  AllToAll allToAllLists(const std::vector<at::Tensor>& outputs,
+                         const std::vector<at::Tensor>& inputs, const char* call) const;
 
  private:
   // `output`'s dtype equals `input`'s, both checked by tensor(); returns it.

@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/interrupt.h"
+#include "common/process_state.h"
 
 namespace pyddp {
 namespace {
@@ -65,6 +66,13 @@ class StoppedWorkers {
     entries_.push_back(std::move(entry));
   }
 
+  // A child of fork() has none of these threads: it never joins them, and
+  // never destroys their std::threads (common/process_state.h). The lock is
+  // held across fork(), so no child inherits it held.
+  static void lockForFork();
+  static void unlockAfterFork();
+  static void disownInChild();
+
   // Joins the workers that have left their loop (`all`: every worker),
   // except the calling thread.
   void join(bool all) {
@@ -89,8 +97,27 @@ class StoppedWorkers {
 };
 
 StoppedWorkers& stoppedWorkers() {
-  static auto* workers = new StoppedWorkers();
+  static auto* workers = [] {
+    process::onFork(StoppedWorkers::lockForFork, StoppedWorkers::unlockAfterFork,
+                    StoppedWorkers::disownInChild);
+    return new StoppedWorkers();
+  }();
   return *workers;
+}
+
+void StoppedWorkers::lockForFork() {
+  stoppedWorkers().mu_.lock();
+}
+
+void StoppedWorkers::unlockAfterFork() {
+  stoppedWorkers().mu_.unlock();
+}
+
+void StoppedWorkers::disownInChild() {
+  StoppedWorkers& w = stoppedWorkers();
+  new std::vector<Entry>(std::move(w.entries_));  // never destroyed, never joined
+  w.entries_.clear();
+  w.mu_.unlock();
 }
 
 } // namespace
@@ -164,6 +191,7 @@ void CpuExecutor::shutdown() {
 
 void CpuExecutor::workerLoop(std::shared_ptr<Queue> queue, CpuExecutor* executor) {
   pthread_setname_np(pthread_self(), "pyddp-worker");
+  process::markOwnThread();
   std::unique_lock<std::mutex> lock(queue->mu);
   while (true) {
     queue->cv.wait(lock, [&] { return queue->stop || (!queue->jobs.empty() && !queue->busy); });

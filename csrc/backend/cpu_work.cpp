@@ -3,6 +3,7 @@
 #include "backend/torch_types.h"
 #include "common/check.h"
 #include "common/interrupt.h"
+#include "common/process_state.h"
 #include "transport/wait_policy.h"
 
 namespace pyddp {
@@ -50,6 +51,7 @@ std::vector<at::Tensor> CpuWork::result() {
 }
 
 bool CpuWork::wait(std::chrono::milliseconds timeout) {
+  const process::ExitGate gate;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!completed_) {

@@ -7,6 +7,7 @@
 #include "backend/torch_types.h"
 #include "common/check.h"
 #include "common/cuda_device.h"
+#include "common/process_state.h"
 
 namespace pyddp {
 namespace gpu {
@@ -127,6 +128,7 @@ void CudaWork::waitHost(std::chrono::milliseconds timeout) {
 }
 
 bool CudaWork::wait(std::chrono::milliseconds timeout) {
+  const process::ExitGate gate;
   if (hostBlocking_ || timeout != kNoTimeout) waitHost(timeout);
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -9,13 +9,12 @@
 #include <regex>
 #include <thread>
 
-#include "backend/coalesce.h"
 #include "backend/cpu_executor.h"
 #include "backend/ring_engine.h"
-#include "backend/sparse.h"
 #include "common/check.h"
 #include "common/descriptor.h"
 #include "common/interrupt.h"
+#include "common/process_state.h"
 
 namespace pyddp {
 namespace {
@@ -55,33 +54,10 @@ void finishAverage(const at::Tensor& buf, RedOp op, int size) {
   }
 }
 
-CollectiveDesc makeDesc(CollectiveKind kind, size_t count, DataType dtype, RedOp op = RedOp::Sum,
-                        int root = -1) {
-  CollectiveDesc d;
-  d.kind = kind;
-  d.count = count;
-  d.dtype = dtype;
-  d.op = op;
-  d.root = root;
-  return d;
-}
-
-at::Tensor dense(const at::Tensor& t) {
-  return t.is_contiguous() ? t : t.contiguous();
-}
-
-void copyBack(const at::Tensor& original, const at::Tensor& computed) {
-  if (!original.is_same(computed)) original.copy_(computed);
-}
-
-std::vector<at::Tensor> dense(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(dense(t));
-  return out;
-}
-
-void copyBack(const std::vector<at::Tensor>& originals, const std::vector<at::Tensor>& computed) {
-  for (size_t i = 0; i < originals.size(); ++i) copyBack(originals[i], computed[i]);
+// A call's finish as the executor runs it: a no-op when it has none.
+std::function<void()> finishOf(Results& results) {
+  if (results.finish) return std::move(results.finish);
+  return [] {};
 }
 
 // A point-to-point operation of gloo's: its failure names both ranks and
@@ -100,6 +76,7 @@ class CrossHostP2pWork final : public c10d::Work {
   int sourceRank() const override { return inner_->sourceRank(); }
 
   bool wait(std::chrono::milliseconds timeout) override {
+    const process::ExitGate gate;
     std::lock_guard<std::mutex> lock(mu_);
     if (!settled_) {
       try {
@@ -144,7 +121,7 @@ std::string others(const std::vector<int>& group, int rank) {
 HierarchicalEngine::HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, const RingOptions& options,
                                        const HostMap& hosts, const CrossHostFactory& gloo)
-    : Engine(rank, size, c10::Device(c10::kCPU), "shm+gloo"),
+    : Engine(rank, size, c10::Device(c10::kCPU), "shm+gloo", store),
       options_(options),
       hosts_(hosts),
       store_(store),
@@ -186,15 +163,16 @@ HierarchicalEngine::HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& st
 }
 
 HierarchicalEngine::~HierarchicalEngine() {
-  shutdown();
+  shutDown();
 }
 
 const Executor& HierarchicalEngine::executor() const {
   return *executor_;
 }
 
-void HierarchicalEngine::shutdown() {
+void HierarchicalEngine::shutDown() {
   if (!executor_) return;
+  stopping_.store(true, std::memory_order_relaxed);
   executor_->shutdown();
   if (localEngine_) localEngine_->shutdown();
 }
@@ -236,6 +214,10 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
       failed(c10::str("rank ", rank_, ": interrupted while ", what, " across hosts",
                       others(group, rank_), " was running"));
     }
+    if (stopping_.load(std::memory_order_relaxed)) {
+      failed(c10::str("rank ", rank_, ": the process group was destroyed while ", what,
+                      " across hosts", others(group, rank_), " was running"));
+    }
     if (now >= deadline_) {
       failed(c10::str("rank ", rank_, ": ", what, " across hosts", others(group, rank_),
                       " did not finish within the timeout of ", options_.timeoutMs,
@@ -251,18 +233,18 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
   }
 }
 
-WorkPtr HierarchicalEngine::submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+WorkPtr HierarchicalEngine::submit(const CollectiveDesc& desc, Results& results,
                                    std::vector<at::Tensor> uses, std::function<void()> run,
                                    const CallOptions& call) {
   return executor_->submit(
-      Collective{desc, std::move(outputs), std::move(uses),
-                 [this, run = std::move(run)](const CollectiveDesc& d,
-                                              Clock::time_point deadline) {
+      Collective{desc, results.tensors.vec(), std::move(uses),
+                 [this, run = std::move(run), split = results.split](
+                     const CollectiveDesc& d, Clock::time_point deadline) {
                    deadline_ = deadline;
-                   agree(d);
+                   namingSplits(split, [&] { agree(d); });
                    run();
                  },
-                 [] {}, desc.kind == CollectiveKind::Barrier, call.timeout},
+                 finishOf(results), desc.kind == CollectiveKind::Barrier, call.timeout},
       call);
 }
 
@@ -300,8 +282,8 @@ std::string HierarchicalEngine::translate(const std::string& message) const {
 
 void HierarchicalEngine::agree(const CollectiveDesc& desc) {
   const DescWords words = encodeWords(desc);
-  // int64 MAX orders the words as uint64 MAX does: every encoded field
-  // and its complement stay below 2^63 (see common/descriptor.h).
+  // int64 MAX orders the words as uint64 MAX does: each word has the same
+  // top bit on every rank (see kMaxSplit in common/descriptor.h).
   at::Tensor t = at::empty({kDescWords}, at::TensorOptions().dtype(at::kLong));
   std::memcpy(t.data_ptr(), words.data(), sizeof(words));
   if (localEngine_) {
@@ -321,8 +303,7 @@ void HierarchicalEngine::agree(const CollectiveDesc& desc) {
   }
   DescWords reduced;
   std::memcpy(reduced.data(), t.data_ptr(), sizeof(reduced));
-  const std::string why = mismatch(desc, reduced, rank_);
-  PYDDP_CHECK_COMM(why.empty(), why);
+  checkSame(desc, reduced, rank_);
 }
 
 void HierarchicalEngine::allReduceSteps(const at::Tensor& buf, RedOp op) {
@@ -420,129 +401,95 @@ void HierarchicalEngine::broadcastSteps(const at::Tensor& buf, int src) {
   }
 }
 
-WorkPtr HierarchicalEngine::allReduce(const at::Tensor& tensor, RedOp op,
-                                      const CallOptions& call) {
-  if (tensor.is_sparse()) return allReduceSparse(tensor, op, call);
-  const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
-  checks_.writable(tensor, "all_reduce", "tensor");
-  checks_.op(op, dtype, "all_reduce");
-  const at::Tensor buf = dense(tensor).view({-1});
-  return submit(makeDesc(CollectiveKind::AllReduce, tensor.numel(), dtype, op), {tensor}, {buf},
+WorkPtr HierarchicalEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
+                                         Results results, const CallOptions& call) {
+  const RedOp op = desc.op;
+  const at::Tensor flat = buf.view({-1});
+  return submit(desc, results, {flat},
                 [=, this] {
-                  allReduceSteps(buf, op);
-                  finishAverage(buf, op, size_);
-                  copyBack(tensor, buf.view(tensor.sizes()));
+                  allReduceSteps(flat, op);
+                  finishAverage(flat, op, size_);
                 },
                 call);
 }
 
-WorkPtr HierarchicalEngine::allReduceSparse(const at::Tensor& tensor, RedOp op,
-                                            const CallOptions& call) {
-  const SparseStart start = startSparse(tensor, op, call);
-  const sparse::Blocks b = start.blocks;
-  const at::Tensor in = start.packed;
-  const at::Tensor out = at::empty({size_ * b.bytes}, at::kByte);
-  return submit(makeDesc(CollectiveKind::AllGather, b.bytes, DataType::UInt8), {tensor},
-                {in, out},
-                [=, this] {
-                  allGatherSteps(out, in);
-                  tensor.copy_(sparse::sum(out, b));
-                },
-                call);
-}
-
-WorkPtr HierarchicalEngine::allGatherSingle(const at::Tensor& output, const at::Tensor& input,
-                                            const CallOptions& call) {
-  const DataType dtype = checks_.single("all_gather_single", output, input, true);
-  const at::Tensor in = dense(input).view({-1});
-  const at::Tensor out = dense(output).view({-1});
-  return submit(makeDesc(CollectiveKind::AllGather, input.numel(), dtype), {output}, {in, out},
-                [=, this] {
-                  allGatherSteps(out, in);
-                  copyBack(output, out.view(output.sizes()));
-                },
-                call);
-}
-
-WorkPtr HierarchicalEngine::allGatherList(const std::vector<at::Tensor>& outputs,
-                                          const at::Tensor& input, const CallOptions& call) {
-  const DataType dtype = checks_.tensor(input, "all_gather", "tensor");
-  checks_.blockList(outputs, input, "all_gather", "tensor_list");
-  const at::Tensor in = dense(input).view({-1});
-  const int64_t count = input.numel();
+WorkPtr HierarchicalEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
+                                         const RankBlocks& output, Results results,
+                                         const CallOptions& call) {
+  const at::Tensor in = input.view({-1});
+  const int64_t count = static_cast<int64_t>(desc.count);
+  if (output.whole.defined()) {
+    const at::Tensor out = output.whole.view({-1});
+    return submit(desc, results, {in, out}, [=, this] { allGatherSteps(out, in); }, call);
+  }
+  // gloo gathers into one buffer; the blocks may lie anywhere.
   const at::Tensor out = at::empty({count * size_}, input.options());
-  return submit(makeDesc(CollectiveKind::AllGather, count, dtype), outputs, {in, out},
+  const std::vector<at::Tensor> blocks = output.list.vec();
+  return submit(desc, results, {in, out},
                 [=, this] {
                   allGatherSteps(out, in);
                   for (int r = 0; r < size_; ++r) {
-                    outputs[r].copy_(out.narrow(0, r * count, count).view(outputs[r].sizes()));
+                    blocks[r].view({-1}).copy_(out.narrow(0, r * count, count));
                   }
                 },
                 call);
 }
 
-WorkPtr HierarchicalEngine::broadcastFrom(const at::Tensor& tensor, int src,
-                                          const CallOptions& call) {
-  const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
-  checks_.writable(tensor, "broadcast", "tensor");
-  checks_.root(src, "broadcast", "src");
-  const at::Tensor buf = dense(tensor).view({-1});
-  return submit(makeDesc(CollectiveKind::Broadcast, tensor.numel(), dtype, RedOp::Sum, src),
-                {tensor}, {buf},
-                [=, this] {
-                  broadcastSteps(buf, src);
-                  copyBack(tensor, buf.view(tensor.sizes()));
-                },
-                call);
+WorkPtr HierarchicalEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
+                                         Results results, const CallOptions& call) {
+  const int src = desc.root;
+  const at::Tensor flat = buf.view({-1});
+  return submit(desc, results, {flat}, [=, this] { broadcastSteps(flat, src); }, call);
 }
 
-WorkPtr HierarchicalEngine::reduceScatterSingle(const at::Tensor& output,
-                                                const at::Tensor& input, RedOp op,
-                                                const CallOptions& call) {
-  const DataType dtype = checks_.single("reduce_scatter_single", output, input, false);
-  checks_.op(op, dtype, "reduce_scatter_single");
-  const int64_t count = output.numel();
+WorkPtr HierarchicalEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
+                                             const at::Tensor& output, Results results,
+                                             const CallOptions& call) {
+  const RedOp op = desc.op;
+  const int64_t count = static_cast<int64_t>(desc.count);
   // An all-reduce of which this rank keeps its block: the shard steps of
   // the even layout are a reduce-scatter already, but their shards follow
   // the host, not the rank.
-  const at::Tensor whole = input.contiguous().view({-1}).clone();
-  return submit(makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), {output}, {whole},
+  const at::Tensor whole = input.view({-1}).clone();
+  const at::Tensor out = output.view({-1});
+  return submit(desc, results, {whole, out},
                 [=, this] {
                   allReduceSteps(whole, op);
                   finishAverage(whole, op, size_);
-                  output.copy_(whole.narrow(0, rank_ * count, count).view(output.sizes()));
+                  out.copy_(whole.narrow(0, rank_ * count, count));
                 },
                 call);
 }
 
-WorkPtr HierarchicalEngine::barrierAll(const CallOptions& call) {
-  return submit(makeDesc(CollectiveKind::Barrier, 0, DataType::UInt8), {}, {},
-                // The descriptor check already met every rank.
-                [] {}, call);
+WorkPtr HierarchicalEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
+  Results none;
+  // The descriptor check already met every rank.
+  return submit(desc, none, {}, [] {}, call);
 }
 
-WorkPtr HierarchicalEngine::onFlat(CollectiveDesc desc, std::vector<at::Tensor> outputs,
+WorkPtr HierarchicalEngine::onFlat(const CollectiveDesc& desc, Results& results,
                                    std::vector<at::Tensor> uses,
                                    std::function<WorkPtr(c10d::Backend&)> start,
-                                   std::function<void()> finish, const CallOptions& options) {
+                                   const CallOptions& options) {
   const char* what = toString(desc.kind);
-  return submit(desc, std::move(outputs), std::move(uses),
-                [=, this] {
-                  await(start(*flat_), what, {});
-                  if (finish) finish();
-                },
+  return submit(desc, results, std::move(uses), [=, this] { await(start(*flat_), what, {}); },
                 options);
 }
 
-WorkPtr HierarchicalEngine::reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                                     const CallOptions& call) {
-  const DataType dtype = checks_.tensor(tensor, "reduce", "tensor");
-  checks_.writable(tensor, "reduce", "tensor");
-  checks_.op(op, dtype, "reduce");
-  checks_.root(root, "reduce", "dst");
-  const at::Tensor buf = dense(tensor).clone();
-  return onFlat(makeDesc(CollectiveKind::Reduce, tensor.numel(), dtype, op, root), {tensor},
-                {buf},
+WorkPtr HierarchicalEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                                      const at::Tensor& output, Results results,
+                                      const CallOptions& call) {
+  const RedOp op = desc.op;
+  const int root = desc.root;
+  // gloo's reduce may use a non-root's buffer as scratch: it reduces a copy.
+  const at::Tensor buf = input.clone();
+  Results done{results.tensors, [buf, output, op, root, this, finish = finishOf(results)] {
+                 if (rank_ != root) return;
+                 finishAverage(buf, op, size_);
+                 output.copy_(buf);
+                 finish();
+               }};
+  return onFlat(desc, done, {buf, output},
                 [=](c10d::Backend& g) {
                   std::vector<at::Tensor> v{buf};
                   c10d::ReduceOptions opts;
@@ -550,203 +497,67 @@ WorkPtr HierarchicalEngine::reduceTo(const at::Tensor& tensor, RedOp op, int roo
                   opts.rootRank = root;
                   return g.reduce(v, opts);
                 },
-                [=, this] {
-                  if (rank_ != root) return;
-                  finishAverage(buf, op, size_);
-                  tensor.copy_(buf);
-                },
                 call);
 }
 
-WorkPtr HierarchicalEngine::gatherTo(const std::vector<at::Tensor>& outputs,
-                                     const at::Tensor& input, int root, const CallOptions& call) {
-  const DataType dtype = checks_.tensor(input, "gather", "tensor");
-  checks_.root(root, "gather", "dst");
-  if (rank_ == root) {
-    checks_.blockList(outputs, input, "gather", "gather_list");
-  } else {
-    PYDDP_CHECK_VALUE(outputs.empty(), "rank ", rank_, ": gather: only the destination rank ",
-                      root, " passes a gather_list");
-  }
-  // gloo takes contiguous tensors only.
-  const at::Tensor in = dense(input);
-  const std::vector<at::Tensor> outBufs = dense(outputs);
+WorkPtr HierarchicalEngine::runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                                      const RankBlocks& output, Results results,
+                                      const CallOptions& call) {
+  const int root = desc.root;
+  const std::vector<at::Tensor> outBufs = output.list.vec();
   std::vector<at::Tensor> uses = outBufs;
-  uses.push_back(in);
-  return onFlat(makeDesc(CollectiveKind::Gather, input.numel(), dtype, RedOp::Sum, root),
-                outputs, uses,
+  uses.push_back(input);
+  return onFlat(desc, results, uses,
                 [=](c10d::Backend& g) {
                   std::vector<std::vector<at::Tensor>> outs;
                   if (!outBufs.empty()) outs.push_back(outBufs);
-                  std::vector<at::Tensor> ins{in};
+                  std::vector<at::Tensor> ins{input};
                   c10d::GatherOptions opts;
                   opts.rootRank = root;
                   return g.gather(outs, ins, opts);
                 },
-                [=] { copyBack(outputs, outBufs); }, call);
+                call);
 }
 
-WorkPtr HierarchicalEngine::scatterFrom(const at::Tensor& output,
-                                        const std::vector<at::Tensor>& inputs, int root,
-                                        const CallOptions& call) {
-  const DataType dtype = checks_.tensor(output, "scatter", "tensor");
-  checks_.writable(output, "scatter", "tensor");
-  checks_.root(root, "scatter", "src");
-  if (rank_ == root) {
-    checks_.blockList(inputs, output, "scatter", "scatter_list");
-  } else {
-    PYDDP_CHECK_VALUE(inputs.empty(), "rank ", rank_, ": scatter: only the source rank ", root,
-                      " passes a scatter_list");
-  }
-  // gloo takes contiguous tensors only.
-  const at::Tensor out = dense(output);
-  const std::vector<at::Tensor> inBufs = dense(inputs);
+WorkPtr HierarchicalEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                                       const at::Tensor& output, Results results,
+                                       const CallOptions& call) {
+  const int root = desc.root;
+  const std::vector<at::Tensor> inBufs = input.list.vec();
   std::vector<at::Tensor> uses = inBufs;
-  uses.push_back(out);
-  return onFlat(makeDesc(CollectiveKind::Scatter, output.numel(), dtype, RedOp::Sum, root),
-                {output}, uses,
+  uses.push_back(output);
+  return onFlat(desc, results, uses,
                 [=](c10d::Backend& g) {
-                  std::vector<at::Tensor> outs{out};
+                  std::vector<at::Tensor> outs{output};
                   std::vector<std::vector<at::Tensor>> ins;
                   if (!inBufs.empty()) ins.push_back(inBufs);
                   c10d::ScatterOptions opts;
                   opts.rootRank = root;
                   return g.scatter(outs, ins, opts);
                 },
-                [=] { copyBack(output, out); }, call);
+                call);
 }
 
-WorkPtr HierarchicalEngine::allToAllSingle(const at::Tensor& output, const at::Tensor& input,
-                                           const std::vector<int64_t>& outputSplits,
-                                           const std::vector<int64_t>& inputSplits,
-                                           const CallOptions& call) {
-  const char* name = "all_to_all_single";
-  const auto [dtype, row, out, in] =
-      checks_.allToAll(output, input, outputSplits, inputSplits, name);
-  // gloo takes contiguous tensors only.
-  const at::Tensor inBuf = dense(input);
-  const at::Tensor outBuf = dense(output);
-  return onFlat(makeDesc(CollectiveKind::AllToAll, static_cast<size_t>(row), dtype), {output},
-                {inBuf, outBuf},
+WorkPtr HierarchicalEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                                        const at::Tensor& output, const ArgChecks::AllToAll& a,
+                                        Results results, const CallOptions& call) {
+  // One-element rows: gloo's splits are the blocks' element counts.
+  std::vector<int64_t> outSplits(a.out.counts.begin(), a.out.counts.end());
+  std::vector<int64_t> inSplits(a.in.counts.begin(), a.in.counts.end());
+  return onFlat(desc, results, {input, output},
                 [=](c10d::Backend& g) {
-                  at::Tensor out = outBuf, in = inBuf;
-                  std::vector<int64_t> outSplits = outputSplits, inSplits = inputSplits;
-                  return g.alltoall_base(out, in, outSplits, inSplits, c10d::AllToAllOptions());
-                },
-                [=] { copyBack(output, outBuf); }, call);
-}
-
-WorkPtr HierarchicalEngine::allToAllList(const std::vector<at::Tensor>& outputs,
-                                         const std::vector<at::Tensor>& inputs,
-                                         const CallOptions& call) {
-  PYDDP_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ &&
-                        static_cast<int>(inputs.size()) == size_,
-                    "rank ", rank_, ": all_to_all: got ", outputs.size(), " outputs and ",
-                    inputs.size(), " inputs, expected world_size = ", size_, " of each");
-  const DataType dtype = checks_.sameType(inputs, "all_to_all", "input", false);
-  checks_.sameType(outputs, "all_to_all", "output", true);
-  // gloo's list form wants blocks of one size: one flat buffer each way,
-  // blocks of any size (splits of one-element rows).
-  std::vector<int64_t> outSplits, inSplits;
-  std::vector<at::Tensor> flat;
-  for (int k = 0; k < size_; ++k) {
-    inSplits.push_back(inputs[k].numel());
-    outSplits.push_back(outputs[k].numel());
-    flat.push_back(inputs[k].reshape({-1}));
-  }
-  const at::Tensor in = at::cat(flat);
-  const at::Tensor out = at::empty({std::accumulate(outSplits.begin(), outSplits.end(),
-                                                    int64_t{0})},
-                                   in.options());
-  return onFlat(makeDesc(CollectiveKind::AllToAll, 0, dtype), outputs, {in, out},
-                [=](c10d::Backend& g) {
-                  at::Tensor o = out, i = in;
+                  at::Tensor o = output, i = input;
                   std::vector<int64_t> os = outSplits, is = inSplits;
                   return g.alltoall_base(o, i, os, is, c10d::AllToAllOptions());
-                },
-                [=, this] {
-                  int64_t at = 0;
-                  for (int k = 0; k < size_; ++k) {
-                    outputs[k].copy_(out.narrow(0, at, outSplits[k]).view(outputs[k].sizes()));
-                    at += outSplits[k];
-                  }
-                },
-                call);
-}
-
-WorkPtr HierarchicalEngine::allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
-                                               const CallOptions& call) {
-  const DataType dtype = checks_.sameType(tensors, "all_reduce_coalesced", "tensor", true);
-  checks_.op(op, dtype, "all_reduce_coalesced");
-  const Packed p = packAllReduce(tensors);
-  return submit(makeDesc(CollectiveKind::AllReduce, p.input.numel(), dtype, op), tensors,
-                {p.input},
-                [=, this] {
-                  allReduceSteps(p.input, op);
-                  finishAverage(p.input, op, size_);
-                  p.unpack();
-                },
-                call);
-}
-
-WorkPtr HierarchicalEngine::allGatherCoalesced(const std::vector<at::Tensor>& outputs,
-                                               const std::vector<at::Tensor>& inputs,
-                                               const CallOptions& call) {
-  const char* name = "all_gather_into_tensor_coalesced";
-  const DataType dtype = checks_.sameType(inputs, name, "input", false);
-  checks_.sameType(outputs, name, "output", true);
-  return allGatherPacked(packAllGather(outputs, inputs, size_), dtype, outputs, call);
-}
-
-WorkPtr HierarchicalEngine::allGatherCoalescedLists(
-    const std::vector<std::vector<at::Tensor>>& outputLists,
-    const std::vector<at::Tensor>& inputs, const CallOptions& call) {
-  const DataType dtype = checks_.coalescedLists(outputLists, inputs, "all_gather_coalesced");
-  std::vector<at::Tensor> outputs;
-  for (const auto& list : outputLists) outputs.insert(outputs.end(), list.begin(), list.end());
-  return allGatherPacked(packAllGatherLists(outputLists, inputs, size_), dtype, outputs, call);
-}
-
-WorkPtr HierarchicalEngine::allGatherPacked(const Packed& p, DataType dtype,
-                                            std::vector<at::Tensor> outputs,
-                                            const CallOptions& call) {
-  return submit(makeDesc(CollectiveKind::AllGather, p.input.numel(), dtype), std::move(outputs),
-                {p.input, p.output},
-                [=, this] {
-                  allGatherSteps(p.output, p.input);
-                  p.unpack();
-                },
-                call);
-}
-
-WorkPtr HierarchicalEngine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
-                                                   const std::vector<at::Tensor>& inputs,
-                                                   RedOp op, const CallOptions& call) {
-  const char* name = "reduce_scatter_tensor_coalesced";
-  const DataType dtype = checks_.sameType(inputs, name, "input", false);
-  checks_.sameType(outputs, name, "output", true);
-  checks_.op(op, dtype, name);
-  const Packed p = packReduceScatter(outputs, inputs, size_);
-  const int64_t count = p.output.numel();
-  const at::Tensor whole = p.input.clone();
-  return submit(makeDesc(CollectiveKind::ReduceScatter, count, dtype, op), outputs, {whole},
-                [=, this] {
-                  allReduceSteps(whole, op);
-                  finishAverage(whole, op, size_);
-                  p.output.copy_(whole.narrow(0, rank_ * count, count));
-                  p.unpack();
                 },
                 call);
 }
 
 // Point-to-point goes to gloo at once: it is not in the order of the
 // collectives (as on a one-host group).
-WorkPtr HierarchicalEngine::sendTo(const at::Tensor& tensor, int dst, int64_t tag,
-                                   const CallOptions& call) {
-  checks_.tensor(tensor, "send", "tensor");
-  checks_.peer(dst, "send", "dst");
-  checks_.tag(tag, "send");
-  std::vector<at::Tensor> v{dense(tensor)};
+WorkPtr HierarchicalEngine::runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                                    const CallOptions& call) {
+  std::vector<at::Tensor> v{tensor};
   WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
       flat_->send(v, dst, static_cast<int>(tag)),
       c10::str("rank ", rank_, ": send to rank ", dst, " (tag ", tag, ") across hosts"),
@@ -755,14 +566,8 @@ WorkPtr HierarchicalEngine::sendTo(const at::Tensor& tensor, int dst, int64_t ta
   return work;
 }
 
-WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t tag,
-                                     const CallOptions& call) {
-  checks_.tensor(tensor, "recv", "tensor");
-  checks_.writable(tensor, "recv", "tensor");
-  if (src != kAnySource) checks_.peer(src, "recv", "src");
-  checks_.tag(tag, "recv");
-  // gloo takes contiguous tensors only.
-  const at::Tensor buf = dense(tensor);
+WorkPtr HierarchicalEngine::runRecv(const at::Tensor& buf, int src, int64_t tag,
+                                    Results results, const CallOptions& call) {
   std::vector<at::Tensor> v{buf};
   const bool any = src == kAnySource;
   WorkPtr work = c10::make_intrusive<CrossHostP2pWork>(
@@ -770,12 +575,13 @@ WorkPtr HierarchicalEngine::recvFrom(const at::Tensor& tensor, int src, int64_t 
           : flat_->recv(v, src, static_cast<int>(tag)),
       c10::str("rank ", rank_, ": recv from ", any ? "any rank" : c10::str("rank ", src),
                " (tag ", tag, ") across hosts"),
-      c10d::OpType::RECV, [tensor, buf] { copyBack(tensor, buf); });
+      c10d::OpType::RECV, std::move(results.finish));
   if (!call.asyncOp) work->wait();
   return work;
 }
 
-void HierarchicalEngine::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+void HierarchicalEngine::runMonitoredBarrier(const c10d::BarrierOptions& opts,
+                                             bool waitAllRanks) {
   flat_->monitoredBarrier(opts, waitAllRanks);
 }
 

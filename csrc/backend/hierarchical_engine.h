@@ -32,6 +32,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -46,7 +47,6 @@ namespace pyddp {
 
 class CpuExecutor;
 class RingEngine;
-struct Packed;
 
 // Makes a gloo group of `size` ranks on `store` (torch's ProcessGroupGloo,
 // which this extension cannot construct itself: gloo's headers do not ship
@@ -70,54 +70,44 @@ class HierarchicalEngine final : public Engine {
   // "hierarchical (2 hosts x 2 ranks: ...)" for the log.
   std::string describeLayout() const;
 
-  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
-  WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
-  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
-                          const CallOptions& call) override;
-  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                        const CallOptions& call) override;
-  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
-  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
-                              const CallOptions& call) override;
-  WorkPtr barrierAll(const CallOptions& call) override;
-  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                   const CallOptions& call) override;
-  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
-                   const CallOptions& call) override;
-  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+ protected:
+  const Executor& executor() const override;
+  WorkPtr runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
+                       const RankBlocks& output, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
+                           const at::Tensor& output, Results results,
+                           const CallOptions& call) override;
+  WorkPtr runBarrier(const CollectiveDesc& desc, const CallOptions& call) override;
+  WorkPtr runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                    const at::Tensor& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                    const RankBlocks& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                     const at::Tensor& output, Results results,
+                     const CallOptions& call) override;
+  WorkPtr runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                      const at::Tensor& output, const ArgChecks::AllToAll& a, Results results,
                       const CallOptions& call) override;
-  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
-                         const std::vector<int64_t>& outputSplits,
-                         const std::vector<int64_t>& inputSplits,
-                         const CallOptions& call) override;
-  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
-                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
-  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
-                             const CallOptions& call) override;
-  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
-                             const std::vector<at::Tensor>& inputs,
-                             const CallOptions& call) override;
-  WorkPtr allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
-                                  const std::vector<at::Tensor>& inputs,
-                                  const CallOptions& call) override;
-  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
-                                 const std::vector<at::Tensor>& inputs, RedOp op,
-                                 const CallOptions& call) override;
-  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
-                 const CallOptions& call) override;
-  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
-                   const CallOptions& call) override;
+  WorkPtr runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                  const CallOptions& call) override;
+  WorkPtr runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+                  const CallOptions& call) override;
   // gloo's own, on the group of every rank.
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
-
-  void shutdown() override;
+  void runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+  void shutDown() override;
 
  private:
-  const Executor& executor() const override;
-  // One composed collective: `run` does its steps on the executor's thread.
-  WorkPtr submit(CollectiveDesc desc, std::vector<at::Tensor> outputs,
-                 std::vector<at::Tensor> uses, std::function<void()> run,
-                 const CallOptions& call);
+  // One composed collective: `run` does its steps on the executor's thread,
+  // then the executor finishes `results`.
+  WorkPtr submit(const CollectiveDesc& desc, Results& results, std::vector<at::Tensor> uses,
+                 std::function<void()> run, const CallOptions& call);
   // Every rank called the same collective (local, then across hosts).
   void agree(const CollectiveDesc& desc);
   // Waits for a gloo Work, failing at once when a rank published why it
@@ -126,14 +116,10 @@ class HierarchicalEngine final : public Engine {
   // The steps, on contiguous buffers; op is never AVG (the caller divides).
   void allReduceSteps(const at::Tensor& buf, RedOp op);
   void allGatherSteps(const at::Tensor& out, const at::Tensor& in);
-  // The coalesced all-gathers, once packed (backend/coalesce.h).
-  WorkPtr allGatherPacked(const Packed& p, DataType dtype, std::vector<at::Tensor> outputs,
-                          const CallOptions& call);
   void broadcastSteps(const at::Tensor& buf, int src);
   // Flat-gloo collectives on the executor, for what does not compose.
-  WorkPtr onFlat(CollectiveDesc desc, std::vector<at::Tensor> outputs,
-                 std::vector<at::Tensor> uses, std::function<WorkPtr(c10d::Backend&)> call,
-                 std::function<void()> finish, const CallOptions& options);
+  WorkPtr onFlat(const CollectiveDesc& desc, Results& results, std::vector<at::Tensor> uses,
+                 std::function<WorkPtr(c10d::Backend&)> call, const CallOptions& options);
   [[noreturn]] void failed(const std::string& why);
   // Runs and waits for a collective of this host's shm engine; its errors
   // name the group's ranks (that engine numbers this host's ranks from 0).
@@ -156,6 +142,9 @@ class HierarchicalEngine final : public Engine {
   c10::intrusive_ptr<c10d::Backend> flat_;
   std::unique_ptr<CpuExecutor> executor_;
   Clock::time_point deadline_;  // of the collective running on the executor
+  // Set by shutDown(): a wait in gloo gives up at once instead of at its
+  // deadline (gloo's own wait cannot be interrupted).
+  std::atomic<bool> stopping_{false};
 };
 
 } // namespace pyddp

@@ -34,54 +34,47 @@ class NcclEngine final : public Engine {
   const std::string getBackendName() const override { return "pyddp-nccl"; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
-  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
-  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
-                          const CallOptions& call) override;
-  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                        const CallOptions& call) override;
-  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
-  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
-                              const CallOptions& call) override;
-  WorkPtr barrierAll(const CallOptions& call) override;
-  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                   const CallOptions& call) override;
-  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
-                   const CallOptions& call) override;
-  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
+ protected:
+  const Executor& executor() const override { return *executor_; }
+  WorkPtr runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
+                       const RankBlocks& output, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
+                           const at::Tensor& output, Results results,
+                           const CallOptions& call) override;
+  WorkPtr runBarrier(const CollectiveDesc& desc, const CallOptions& call) override;
+  WorkPtr runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                    const at::Tensor& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                    const RankBlocks& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                     const at::Tensor& output, Results results,
+                     const CallOptions& call) override;
+  WorkPtr runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                      const at::Tensor& output, const ArgChecks::AllToAll& a, Results results,
                       const CallOptions& call) override;
-  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
-                         const std::vector<int64_t>& outputSplits,
-                         const std::vector<int64_t>& inputSplits,
-                         const CallOptions& call) override;
-  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
-                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
-  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
-                             const CallOptions& call) override;
-  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
-                             const std::vector<at::Tensor>& inputs,
-                             const CallOptions& call) override;
-  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
-                                 const std::vector<at::Tensor>& inputs, RedOp op,
-                                 const CallOptions& call) override;
-  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
-                 const CallOptions& call) override;
-  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
-                   const CallOptions& call) override;
-
+  WorkPtr runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                  const CallOptions& call) override;
+  WorkPtr runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+                  const CallOptions& call) override;
   // Fails the collectives still running and ends the communicator
   // (gracefully when idle, else aborting it). Idempotent; the destructor
   // calls it.
-  void shutdown() override;
-
- protected:
-  const Executor& executor() const override { return *executor_; }
+  void shutDown() override;
 
  private:
   // Enqueues the collective's NCCL calls on `stream`; every host wait is
   // bounded by deadline.
+  // `uses` are the tensors the calls read or write besides the results'.
   using Enqueue = std::function<void(cudaStream_t stream, Clock::time_point deadline)>;
-  WorkPtr launch(CollectiveKind kind, std::vector<at::Tensor> inputs,
-                 std::vector<at::Tensor> outputs, const CallOptions& call, Enqueue enqueue);
+  WorkPtr launch(const CollectiveDesc& desc, std::vector<at::Tensor> uses, Results& results,
+                 const CallOptions& call, Enqueue enqueue);
   // NCCL calls in one group (ncclGroupStart/End), so they progress together.
   void group(const char* what, const std::function<ncclResult_t(ncclComm_t)>& calls,
              Clock::time_point deadline);

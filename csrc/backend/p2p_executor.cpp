@@ -4,6 +4,7 @@
 
 #include "backend/torch_types.h"
 #include "common/check.h"
+#include "common/process_state.h"
 #include "transport/wait_policy.h"
 
 namespace pyddp {
@@ -91,6 +92,7 @@ bool P2pExecutor::drive(const std::shared_ptr<Core>& core) {
 
 void P2pExecutor::loop(std::shared_ptr<Core> core) {
   pthread_setname_np(pthread_self(), "pyddp-p2p");
+  process::markOwnThread();
   Backoff backoff;
   while (true) {
     {

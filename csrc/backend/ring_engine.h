@@ -57,105 +57,74 @@ class RingEngine final : public Engine {
   // On the CPU the calls meet only pyddp's own threads (cpu_executor.h).
   bool spinsWithGil() const override { return cpuExec_ != nullptr; }
 
-  WorkPtr allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
-  WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call) override;
-  WorkPtr allGatherSingle(const at::Tensor& output, const at::Tensor& input,
-                          const CallOptions& call) override;
-  WorkPtr allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                        const CallOptions& call) override;
-  WorkPtr broadcastFrom(const at::Tensor& tensor, int src, const CallOptions& call) override;
-  WorkPtr reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
-                              const CallOptions& call) override;
-  WorkPtr barrierAll(const CallOptions& call) override;
-  // With messages (shm), only the root receives: reduce is the ring's
-  // reduce phase and one block per rank to the root (direct for small
-  // messages), gather and scatter one message per rank. Without, reduce
-  // and gather compute into scratch on every rank, and scatter sends the
-  // root's whole list down the broadcast chain.
-  WorkPtr reduceTo(const at::Tensor& tensor, RedOp op, int root,
-                   const CallOptions& call) override;
-  WorkPtr gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input, int root,
-                   const CallOptions& call) override;
-  WorkPtr scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int root,
-                      const CallOptions& call) override;
-  WorkPtr allToAllSingle(const at::Tensor& output, const at::Tensor& input,
-                         const std::vector<int64_t>& outputSplits,
-                         const std::vector<int64_t>& inputSplits,
-                         const CallOptions& call) override;
-  WorkPtr allToAllList(const std::vector<at::Tensor>& outputs,
-                       const std::vector<at::Tensor>& inputs, const CallOptions& call) override;
-  WorkPtr allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp op,
-                             const CallOptions& call) override;
-  WorkPtr allGatherCoalesced(const std::vector<at::Tensor>& outputs,
-                             const std::vector<at::Tensor>& inputs,
-                             const CallOptions& call) override;
-  WorkPtr allGatherCoalescedLists(const std::vector<std::vector<at::Tensor>>& outputLists,
-                                  const std::vector<at::Tensor>& inputs,
-                                  const CallOptions& call) override;
-  WorkPtr reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
-                                 const std::vector<at::Tensor>& inputs, RedOp op,
-                                 const CallOptions& call) override;
-  WorkPtr sendTo(const at::Tensor& tensor, int dst, int64_t tag,
-                 const CallOptions& call) override;
-  WorkPtr recvFrom(const at::Tensor& tensor, int src, int64_t tag,
-                   const CallOptions& call) override;
   // gloo's protocol over this engine's messages (backend/monitored_barrier.h).
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+  void runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   // This rank gave up (an engine that composes this one failed elsewhere):
   // peers waiting on it fail at once with `why`.
   void abandon(const std::string& why);
 
+ protected:
+  const Executor& executor() const override { return *executor_; }
+
+  WorkPtr runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
+                       const RankBlocks& output, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf, Results results,
+                       const CallOptions& call) override;
+  WorkPtr runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
+                           const at::Tensor& output, Results results,
+                           const CallOptions& call) override;
+  WorkPtr runBarrier(const CollectiveDesc& desc, const CallOptions& call) override;
+  // With messages (shm), only the root receives: reduce is the ring's
+  // reduce phase and one block per rank to the root (direct for small
+  // messages), gather and scatter one message per rank. Without, reduce
+  // and gather compute into scratch on every rank, and scatter sends the
+  // root's whole list down the broadcast chain.
+  WorkPtr runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                    const at::Tensor& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                    const RankBlocks& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                     const at::Tensor& output, Results results,
+                     const CallOptions& call) override;
+  WorkPtr runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                      const at::Tensor& output, const ArgChecks::AllToAll& a, Results results,
+                      const CallOptions& call) override;
+  WorkPtr runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                  const CallOptions& call) override;
+  WorkPtr runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+                  const CallOptions& call) override;
   // Stops the executors; a running collective fails within milliseconds
   // and queued ones fail. On a device whose peers read this rank's memory,
   // queued collectives finish first and every rank meets every other, so no
   // peer reads memory freed here. Idempotent; the destructor calls it.
-  void shutdown() override;
-
- protected:
-  const Executor& executor() const override { return *executor_; }
+  void shutDown() override;
 
  private:
   // Hands a collective to the executor: `transfer(const algorithms::Call&,
   // uses...)` runs the algorithm on the tensors `uses` refers to (each an
-  // at::Tensor or a c10::ArrayRef of them), `finish()` the local work after
-  // it. A call the executor runs at once borrows all three
-  // (Executor::runNow): on the small-message path it allocates nothing and
-  // copies no tensor handle. Each copy is an atomic increment, and the
+  // at::Tensor or a c10::ArrayRef of them), then `results.finish` the
+  // local work after it. A call the executor runs at once borrows all of
+  // them (Executor::runNow): on the small-message path it allocates nothing
+  // and copies no tensor handle. Each copy is an atomic increment, and the
   // first of a tensor that Python holds takes the GIL to count a reference
   // to its PyObject (c10::intrusive_ptr): a 1-rank 4 KiB all_reduce took
   // 361 ns a call with the seven copies it made before and 267 without
   // (loops of each build). One it declines (with a Work, behind queued
   // work, on a device) is copied into a Collective that owns them.
-  template <typename Transfer, typename Finish, typename... Uses>
-  WorkPtr submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
-                 std::tuple<const Uses&...> uses, Transfer&& transfer, Finish&& finish,
-                 const CallOptions& call);
+  template <typename Transfer, typename... Uses>
+  WorkPtr submit(CollectiveDesc desc, Results& results, std::tuple<const Uses&...> uses,
+                 Transfer&& transfer, const CallOptions& call);
   // The same for a `transfer(const algorithms::Call&)` that holds copies of
   // the tensors it uses, which `uses` lists for the executor.
-  template <typename Transfer, typename Finish>
-  WorkPtr submit(CollectiveDesc desc, c10::ArrayRef<at::Tensor> outputs,
-                 c10::ArrayRef<at::Tensor> uses, Transfer&& transfer, Finish&& finish,
-                 const CallOptions& call);
-  // The collectives on one flat buffer that the plain and the coalesced
-  // calls share; `finish` copies the result out.
-  template <typename Finish>
-  WorkPtr allReduceFlat(const at::Tensor& buf, const kernels::ReduceSpec& s,
-                        c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
-                        const CallOptions& call);
-  template <typename Finish>
-  WorkPtr allGatherFlat(const at::Tensor& in, const at::Tensor& out, DataType dtype,
-                        size_t count, c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
-                        const CallOptions& call);
-  template <typename Finish>
-  WorkPtr broadcastFlat(const at::Tensor& buf, DataType dtype, int src,
-                        c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
-                        const CallOptions& call);
-  template <typename Finish>
-  WorkPtr reduceScatterFlat(const at::Tensor& in, const at::Tensor& out,
-                            const kernels::ReduceSpec& s, size_t count,
-                            c10::ArrayRef<at::Tensor> outputs, Finish&& finish,
-                            const CallOptions& call);
+  template <typename Transfer>
+  WorkPtr submit(CollectiveDesc desc, Results& results, c10::ArrayRef<at::Tensor> uses,
+                 Transfer&& transfer, const CallOptions& call);
   // Starts the executor for device_ once transport_ is connected.
   void startExecutor();
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;

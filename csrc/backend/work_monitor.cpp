@@ -4,6 +4,7 @@
 
 #include "common/check.h"
 #include "common/cuda_device.h"
+#include "common/process_state.h"
 
 namespace pyddp {
 namespace gpu {
@@ -85,6 +86,7 @@ bool WorkMonitor::stop(const std::string& why) {
 
 void WorkMonitor::loop() {
   pthread_setname_np(pthread_self(), "pyddp-monitor");
+  process::markOwnThread();
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stopped_ || !pending_.empty(); });

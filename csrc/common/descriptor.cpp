@@ -67,6 +67,12 @@ const char* fieldName(int i) {
 }
 
 std::string formatField(int i, uint64_t v) {
+  // A hash reads as one.
+  if (i == k_split) {
+    std::ostringstream hex;
+    hex << "0x" << std::hex << v;
+    return hex.str();
+  }
   switch (i) {
 #define PYDDP_DESC_FORMAT(name, type, init, label) \
   case k_##name:                                   \
@@ -93,7 +99,7 @@ std::string describe(const CollectiveDesc& d) {
   for (int i = 0; i < kDescFields; ++i) {
     // seq and kind are said around the call; op only matters to reductions.
     const bool shown = i != k_seq && i != k_kind && (i != k_op || isReduction(d.kind)) &&
-        (i != k_root || d.root >= 0);
+        (i != k_root || d.root >= 0) && (i != k_split || d.split != 0);
     if (!shown) continue;
     s << (first ? "" : ", ") << kFieldNames[i] << "=" << formatField(i, v[i]);
     first = false;
@@ -109,6 +115,19 @@ std::string mismatch(const CollectiveDesc& mine, int rank, const CollectiveDesc&
       std::to_string(rank) + " called " + describe(mine) + " but rank " + std::to_string(peer) +
       " called " + describe(theirs) +
       "; every rank must issue the same collectives in the same order";
+}
+
+DescMismatch::DescMismatch(const std::string& why, const CollectiveDesc& mine, int peer,
+                           bool splitDiffers)
+    : c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                            "pyddp: " + why),
+      mine_(mine),
+      peer_(peer),
+      splitDiffers_(splitDiffers) {}
+
+void checkSame(const CollectiveDesc& mine, int rank, const CollectiveDesc& theirs, int peer) {
+  const std::string why = mismatch(mine, rank, theirs, peer);
+  if (!why.empty()) throw DescMismatch(why, mine, peer, mine.split != theirs.split);
 }
 
 DescWords encodeWords(const CollectiveDesc& d) {
@@ -136,6 +155,13 @@ std::string mismatch(const CollectiveDesc& mine, const DescWords& reducedMax, in
   return "collective #" + std::to_string(mine.seq) + " differs between ranks: rank " +
       std::to_string(rank) + " called " + describe(mine) + ", but across the ranks " +
       diff.str() + "; every rank must issue the same collectives in the same order";
+}
+
+void checkSame(const CollectiveDesc& mine, const DescWords& reducedMax, int rank) {
+  const std::string why = mismatch(mine, reducedMax, rank);
+  if (why.empty()) return;
+  const bool splitDiffers = reducedMax[2 * k_split] != ~reducedMax[2 * k_split + 1];
+  throw DescMismatch(why, mine, -1, splitDiffers);
 }
 
 } // namespace pyddp

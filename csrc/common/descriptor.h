@@ -15,6 +15,8 @@
 #include <string>
 #include <type_traits>
 
+#include <c10/util/Exception.h>
+
 #include "common/types.h"
 
 namespace pyddp {
@@ -27,7 +29,8 @@ namespace pyddp {
   X(dtype, DataType, DataType::Float32, "dtype")               \
   X(op, RedOp, RedOp::Sum, "op")                               \
   X(root, int32_t, -1, "src")                                  \
-  X(algo, Algo, Algo::Ring, "algo")
+  X(algo, Algo, Algo::Ring, "algo")                            \
+  X(split, uint64_t, 0, "split")
 
 struct CollectiveDesc {
 #define PYDDP_DESC_MEMBER(name, type, init, label) type name = init;
@@ -36,7 +39,9 @@ struct CollectiveDesc {
   // seq: 1, 2, ... in call order, identical on all ranks. count: elements
   // per rank-sized block (see the collective). root: broadcast and scatter
   // source, reduce and gather destination; -1 for the others. algo: which
-  // algorithm runs it, which ranks must pick alike.
+  // algorithm runs it, which ranks must pick alike. split: how a coalesced
+  // call splits its buffer into the user's tensors (their shapes, hashed
+  // into at most kMaxSplit); 0 for one tensor.
 };
 // The struct is the shared-memory wire format: pin its layout.
 static_assert(std::is_trivially_copyable_v<CollectiveDesc>);
@@ -44,7 +49,12 @@ static_assert(std::is_standard_layout_v<CollectiveDesc>);
 static_assert(offsetof(CollectiveDesc, seq) == 0 && offsetof(CollectiveDesc, count) == 8 &&
               offsetof(CollectiveDesc, kind) == 16 && offsetof(CollectiveDesc, dtype) == 20 &&
               offsetof(CollectiveDesc, op) == 24 && offsetof(CollectiveDesc, root) == 28 &&
-              offsetof(CollectiveDesc, algo) == 32 && sizeof(CollectiveDesc) == 40);
+              offsetof(CollectiveDesc, algo) == 32 && offsetof(CollectiveDesc, split) == 40 &&
+              sizeof(CollectiveDesc) == 48);
+// Every field's word stays below 2^63, so that each word of encodeWords()
+// (below) has the same top bit on every rank, and a MAX of them as int64
+// (torch's gloo, across hosts) orders them as uint64 does.
+constexpr uint64_t kMaxSplit = (uint64_t{1} << 63) - 1;
 
 #define PYDDP_DESC_COUNT(name, type, init, label) +1
 constexpr int kDescFields = 0 PYDDP_COLLECTIVE_DESC_FIELDS(PYDDP_DESC_COUNT);
@@ -69,6 +79,29 @@ std::string describe(const CollectiveDesc& d);
 std::string mismatch(const CollectiveDesc& mine, int rank, const CollectiveDesc& theirs,
                      int peer);
 
+// The error of a collective that ranks called differently: a
+// DistBackendError that says who differed, so that an engine can say more
+// (CollectiveDesc::split stands for shapes it knows). `peer` is the rank
+// whose descriptor this rank compared with, or -1 when only the range of
+// each field across every rank is known (the agreement below).
+class DescMismatch : public c10::DistBackendError {
+ public:
+  DescMismatch(const std::string& why, const CollectiveDesc& mine, int peer, bool splitDiffers);
+  const CollectiveDesc& mine() const { return mine_; }
+  int peer() const { return peer_; }
+  // Whether the ranks split a coalesced call differently.
+  bool splitDiffers() const { return splitDiffers_; }
+
+ private:
+  CollectiveDesc mine_;
+  int peer_;
+  bool splitDiffers_;
+};
+
+// Throws DescMismatch unless rank `rank`'s `mine` equals rank `peer`'s
+// `theirs`.
+void checkSame(const CollectiveDesc& mine, int rank, const CollectiveDesc& theirs, int peer);
+
 // Agreement without shared memory. Each field x is encoded as the pair
 // (x, ~x); after an element-wise MAX all-reduce of every rank's words, a
 // field's pair holds its maximum and its complemented minimum over the
@@ -81,5 +114,7 @@ DescWords encodeWords(const CollectiveDesc& d);
 // rank's encodeWords(); else the error, naming this rank's call and the
 // range of every field that differs.
 std::string mismatch(const CollectiveDesc& mine, const DescWords& reducedMax, int rank);
+// Throws DescMismatch (peer -1) unless mismatch(mine, reducedMax, rank) is "".
+void checkSame(const CollectiveDesc& mine, const DescWords& reducedMax, int rank);
 
 } // namespace pyddp

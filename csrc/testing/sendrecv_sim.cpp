@@ -174,8 +174,7 @@ class SimTransport final : public Transport, private LocalOps {
   void connect(const std::vector<std::string>&) override {}
   void connected() override {}
   void enter(const CollectiveDesc& desc, Deadline) override {
-    const std::string why = mismatch(desc, net_.allReduceMax(rank_, encodeWords(desc)), rank_);
-    PYDDP_CHECK_COMM(why.empty(), why);
+    checkSame(desc, net_.allReduceMax(rank_, encodeWords(desc)), rank_);
   }
   RingLink& ring() override { return ring_; }
   LocalOps& local() override { return *this; }

@@ -136,8 +136,7 @@ void NcclTransport::readCheck(uint64_t i) {
   const int slot = static_cast<int>(i % kChecksInFlight);
   DescWords reduced;
   std::memcpy(reduced.data(), checkSlots_ + slot * kDescWords, sizeof reduced);
-  const std::string why = mismatch(checkDescs_[slot], reduced, rank_);
-  PYDDP_CHECK_COMM(why.empty(), why);
+  checkSame(checkDescs_[slot], reduced, rank_);
 }
 
 void NcclTransport::checkDescriptors() {

@@ -573,8 +573,7 @@ void ShmTransport::enter(const CollectiveDesc& desc, Deadline deadline) {
     const DescriptorSlot& theirs = header(k).desc[slot];
     waitFor(k, spinPhase_,
             [&] { return theirs.published.load(std::memory_order_acquire) >= desc.seq; });
-    const std::string why = mismatch(desc, rank_, theirs.desc, k);
-    PYDDP_CHECK_COMM(why.empty(), why);
+    checkSame(desc, rank_, theirs.desc, k);
   }
 }
 

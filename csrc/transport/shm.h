@@ -46,10 +46,11 @@ constexpr uint64_t kMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // arrival publishes may hold a registered::Ref; 5: mapsRegistered and the
 // probe named in the blob; 6: readsProcesses, the cross-memory attach probe,
 // cma and cma_min_bytes in the blob, and the round an arrival publishes holds
-// an algorithms::TensorWhere; 7: writing and refusesWrites) do not connect:
+// an algorithms::TensorWhere; 7: writing and refusesWrites; 8: the
+// descriptor's split) do not connect:
 // the blob says its layout first, so a peer of another version is named as
 // such before its fields are read.
-constexpr uint32_t kLayoutVersion = 7;
+constexpr uint32_t kLayoutVersion = 8;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 
