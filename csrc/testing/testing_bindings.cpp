@@ -69,10 +69,10 @@ void bindTesting(py::module_& m) {
   });
   t.def("num_pieces", &schedule::numPieces);
   t.def("registered_maps_made", &registered::PeerMaps::mapsMade);
-  t.def("process_reads", &shm::ShmTransport::processReads);
-  t.def("process_writes", &shm::ShmTransport::processWrites);
+  t.def("process_reads", &shm::ProcessMemory::processReads);
+  t.def("process_writes", &shm::ProcessMemory::processWrites);
   t.def("pause_process_writes", [](int64_t beforeCheckMs, int64_t beforeCopyMs) {
-    shm::ShmTransport::pauseWrites(std::chrono::milliseconds(beforeCheckMs),
+    shm::ProcessMemory::pauseWrites(std::chrono::milliseconds(beforeCheckMs),
                                    std::chrono::milliseconds(beforeCopyMs));
   });
   t.def("root_written_bytes", &schedule::rootWrittenBytes);

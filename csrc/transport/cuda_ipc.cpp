@@ -24,18 +24,7 @@ void cudaCheck(cudaError_t err, int rank, const char* what) {
   if (err != cudaSuccess) checkCuda(err, c10::str("rank ", rank, ": cuda_ipc: ", what).c_str());
 }
 
-// The control segment only agrees on collectives: no ring slots, no staging.
-RingOptions controlOptions(const RingOptions& options) {
-  RingOptions o = options;
-  o.slotBytes = 64;
-  o.numSlots = 2;
-  o.directMaxBytes = 0;
-  o.twoShotMaxBytes = 0;
-  o.algo = Algo::Ring;
-  return o;
-}
-
-// What a rank publishes: its control segment (the shm transport's blob),
+// What a rank publishes: its control segment (the control plane's blob),
 // the IPC handle of its buffer, the buffer's token and its geometry.
 struct IpcBlob {
   std::string control;
@@ -92,6 +81,10 @@ std::string readError(const std::shared_ptr<int64_t>& words, int rank, uint64_t 
   return describeError(word, rank, timeoutNs);
 }
 
+BlobReader controlBlob(const IpcBlob& b, int peer) {
+  return BlobReader(b.control, "rank " + std::to_string(peer) + "'s shm bootstrap blob");
+}
+
 } // namespace
 
 CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& options,
@@ -104,7 +97,7 @@ CudaIpcTransport::CudaIpcTransport(int rank, int worldSize, const RingOptions& o
       stagingBytes_(roundUp(options.stagingBytes(), kFlagAlign)),
       timeoutNs_(static_cast<uint64_t>(options.timeoutMs) * 1000000ull),
       stream_(stream),
-      control_(std::make_unique<shm::ShmTransport>(rank, worldSize, controlOptions(options))),
+      control_(rank, worldSize, /*dataBytes=*/0),
       bases_(worldSize, nullptr) {
   options.validate();
   PYDDP_CHECK_VALUE(worldSize <= kMaxRanks, "the cuda_ipc transport serves at most ",
@@ -166,7 +159,9 @@ std::string CudaIpcTransport::setup() {
             "creating the side stream");
 
   IpcBlob b;
-  b.control = control_->setup();
+  BlobWriter control;
+  control_.setup(control);
+  b.control = control.str();
   cudaCheck(cudaIpcGetMemHandle(&b.handle, base), rank_, "cudaIpcGetMemHandle");
   b.token = token_;
   b.slotBytes = slotBytes_;
@@ -181,7 +176,7 @@ std::string CudaIpcTransport::setup() {
 
 std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) const {
   const IpcBlob b = decode(blob, peer);
-  std::string why = control_->whyNotConnect(peer, b.control);
+  std::string why = control_.whyNotConnect(peer, controlBlob(b, peer));
   if (!why.empty()) return why;
   if (b.slotBytes != slotBytes_ || b.numSlots != numSlots_ || b.stagingBytes != stagingBytes_) {
     return "rank " + std::to_string(peer) + " uses a different cuda_ipc geometry (set "
@@ -193,16 +188,16 @@ std::string CudaIpcTransport::whyNotConnect(int peer, const std::string& blob) c
 
 void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
   QuietDeviceGuard scope(device_);
-  std::vector<std::string> controlBlobs(worldSize_);
+  std::vector<BlobReader> controlBlobs;
   std::vector<IpcBlob> peers(worldSize_);
   for (int peer = 0; peer < worldSize_; ++peer) {
     peers[peer] = decode(blobs[peer], peer);
-    controlBlobs[peer] = peers[peer].control;
+    controlBlobs.push_back(controlBlob(peers[peer], peer));
     if (peer == rank_) continue;
     const std::string why = whyNotConnect(peer, blobs[peer]);
     PYDDP_CHECK_COMM(why.empty(), "rank ", rank_, ": cuda_ipc cannot reach ", why);
   }
-  control_->connect(controlBlobs);
+  control_.connect(controlBlobs);
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     const IpcBlob& b = peers[peer];
@@ -240,7 +235,7 @@ void CudaIpcTransport::connect(const std::vector<std::string>& blobs) {
 }
 
 void CudaIpcTransport::connected() {
-  control_->connected();
+  control_.connected();
 }
 
 std::function<std::string()> CudaIpcTransport::deviceErrorProbe() const {
@@ -252,14 +247,14 @@ std::function<std::string()> CudaIpcTransport::deviceErrorProbe() const {
 std::string CudaIpcTransport::asyncError() const {
   const std::string failed = readError(hostWords_, rank_, timeoutNs_);
   if (!failed.empty()) return failed;
-  const std::string dead = control_->deadPeer();
+  const std::string dead = control_.deadPeer();
   return dead.empty() ? "" : "rank " + std::to_string(rank_) + ": cuda_ipc: " + dead;
 }
 
 void CudaIpcTransport::enter(const CollectiveDesc& desc, Deadline deadline) {
   const std::string failed = readError(hostWords_, rank_, timeoutNs_);
   PYDDP_CHECK_COMM(failed.empty(), failed);
-  control_->enter(desc, deadline);
+  control_.enter(desc, deadline);
 }
 
 void CudaIpcTransport::raiseFailedFlag() {
@@ -273,12 +268,12 @@ void CudaIpcTransport::raiseFailedFlag() {
 }
 
 void CudaIpcTransport::abandon(const std::string& why) {
-  control_->abandon(why);
+  control_.giveUp(why, /*onNext=*/false);
   raiseFailedFlag();
 }
 
 void CudaIpcTransport::abort() {
-  control_->abort();
+  control_.abort();
   if (hostWords_) static_cast<volatile int64_t*>(hostWords_.get())[kAbortWord] = 1;
   // The abort word ends this rank's waits; peers' waits on this rank end
   // only through its failed flag, which a wait kernel raises only if one is

@@ -7,8 +7,8 @@
 //
 // Host-side agreement (enter(): same collective on every rank, descriptor
 // check, dead-peer and deadline detection, failure propagation between
-// hosts) is the shm transport's, through a control segment without data
-// slots: one mechanism for both.
+// ranks) is the shm transport's control plane (shm_control.h), alone: one
+// mechanism for both.
 //
 // Only compiled in CUDA builds (PYDDP_WITH_CUDA).
 #pragma once
@@ -22,7 +22,7 @@
 
 #include "common/config.h"
 #include "transport/cuda_ipc_kernels.h"
-#include "transport/shm.h"
+#include "transport/shm_control.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -44,9 +44,11 @@ class CudaIpcTransport final : public Transport,
   // Transport
   const char* name() const override { return "cuda_ipc"; }
   // The control segment's name: the only thing that outlives a dead rank.
-  std::string reserve() override { return control_->reserve(); }
+  std::string reserve() override { return control_.reserve(); }
   std::string setup() override;
-  void reclaim(const std::string& reservation) override { control_->reclaim(reservation); }
+  void reclaim(const std::string& reservation) override {
+    shm::ControlPlane::reclaim(reservation);
+  }
   std::string whyNotConnect(int peer, const std::string& blob) const override;
   // Maps every peer's buffer and proves access by writing and reading it
   // back (cudaDeviceCanAccessPeer is not trusted); throws why not.
@@ -99,7 +101,7 @@ class CudaIpcTransport final : public Transport,
   // deviceError, or a peer whose process exited: what the engine's
   // monitor polls while collectives are pending.
   std::string asyncError() const override;
-  std::string deadPeer() const override { return control_->deadPeer(); }
+  std::string deadPeer() const override { return control_.deadPeer(); }
 
  private:
   char* slots(int rank) const { return bases_[rank] + sizeof(IpcHeader); }
@@ -130,7 +132,7 @@ class CudaIpcTransport final : public Transport,
   cudaStream_t stream_;
   // Sets a peer-visible failed flag without queueing behind stream_.
   cudaStream_t sideStream_ = nullptr;
-  std::unique_ptr<shm::ShmTransport> control_;
+  shm::ControlPlane control_;
 
   uint64_t token_ = 0;
   std::vector<char*> bases_;  // by rank: own cudaMalloc, then mapped peers

@@ -217,7 +217,7 @@ bool ShmMessages::connect(int peer, In& in) {
   };
   try {
     in.segment = Segment::open(channelName_(peer, rank_), channelBytes(), /*writable=*/true,
-                               who());
+                               who(), "rank " + std::to_string(peer) + "'s channel");
   } catch (const std::exception&) {
     if (!dead.empty()) throw unmade();
     throw;

@@ -99,11 +99,12 @@ Segment Segment::create(const std::string& name, size_t bytes, const std::string
 }
 
 Segment Segment::open(const std::string& name, size_t bytes, bool writable,
-                      const std::string& who) {
-  PYDDP_CHECK(isSegmentName(name), who, ": '", name, "' is not a pyddp segment name");
+                      const std::string& who, const std::string& owner) {
+  PYDDP_CHECK(isSegmentName(name), who, ": ", owner, " blob names '", name,
+              "', not a pyddp segment (a corrupted or forged store value?)");
   const int fd = shm_open(name.c_str(), writable ? O_RDWR : O_RDONLY, 0);
-  PYDDP_CHECK(fd >= 0, who, ": cannot open shm segment ", name, ": ", std::strerror(errno),
-              " (do the ranks share /dev/shm?)");
+  PYDDP_CHECK(fd >= 0, who, ": cannot open ", owner, " shm segment ", name, ": ",
+              std::strerror(errno), " (do the ranks share /dev/shm?)");
   struct stat st {};
   const bool statted = fstat(fd, &st) == 0;
   const int statErrno = errno;
@@ -111,16 +112,16 @@ Segment Segment::open(const std::string& name, size_t bytes, bool writable,
       statted ? segmentProblem(st.st_uid, st.st_mode, st.st_size, bytes, geteuid()) : "";
   if (!statted || !problem.empty()) {
     close(fd);
-    PYDDP_CHECK(statted, who, ": fstat of shm segment ", name, " failed: ",
+    PYDDP_CHECK(statted, who, ": fstat of ", owner, " shm segment ", name, " failed: ",
                 std::strerror(statErrno));
-    PYDDP_CHECK(false, who, ": refusing to map shm segment ", name, ": ", problem,
+    PYDDP_CHECK(false, who, ": refusing ", owner, " shm segment ", name, ": ", problem,
                 " (a corrupted or forged store value?)");
   }
   void* base = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED,
                     fd, 0);
   const int mapErrno = errno;
   close(fd);
-  PYDDP_CHECK(base != MAP_FAILED, who, ": mmap of shm segment ", name, " failed: ",
+  PYDDP_CHECK(base != MAP_FAILED, who, ": mmap of ", owner, " shm segment ", name, " failed: ",
               std::strerror(mapErrno));
   Segment s;
   s.base_ = base;

@@ -46,9 +46,10 @@ class Segment {
   // pyddp name, and a regular file of this user with mode 0600 and exactly
   // `bytes` bytes (segmentProblem()): a forged name or size in a store
   // value cannot point a rank at memory it must not read, or make it read
-  // past a mapping's end.
+  // past a mapping's end. `who` names the opener, `owner` the segment
+  // ("rank 0's", "rank 0's channel's") in errors.
   static Segment open(const std::string& name, size_t bytes, bool writable,
-                      const std::string& who);
+                      const std::string& who, const std::string& owner);
 
   // Removes the name of a segment this process created from /dev/shm
   // (idempotent). Mappings stay valid.
