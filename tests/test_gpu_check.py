@@ -255,9 +255,12 @@ def test_gpu_count_reads_nvidia_smi_narrowed_by_cuda_visible_devices(tmp_path):
     path = _fake_commands(tmp_path / "bin", 4) + os.pathsep + os.environ["PATH"]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["PATH"] = path
-    run = lambda extra: subprocess.run(  # noqa: E731
-        ["bash", "-c", f'source "{CHECK}"; gpu_count'], capture_output=True, text=True,
-        env=dict(env, **extra), timeout=BASH_TIMEOUT).stdout.strip()
+
+    def run(extra: dict) -> str:
+        return subprocess.run(["bash", "-c", f'source "{CHECK}"; gpu_count'],
+                              capture_output=True, text=True, env=dict(env, **extra),
+                              timeout=BASH_TIMEOUT).stdout.strip()
+
     assert run({}) == "4"
     assert run({"CUDA_VISIBLE_DEVICES": "1,3"}) == "2"
     assert run({"CUDA_VISIBLE_DEVICES": ""}) == "0"

@@ -148,7 +148,7 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                     if op in SIZELESS_OPS and size != plan.sizes[0]:
                         continue
                     # Peers share the buffers of their device and kind of memory.
-                    cases: dict[tuple[torch.device, bool], Case] = {}
+                    cases: dict[tuple[torch.device, str], Case] = {}
                     for peer in active[op]:
                         where = (peer.device, peer.memory)
                         if where not in cases:
