@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pyddp.bench",
         description="Time collectives of pyddp and its peers (torch.distributed gloo and NCCL, "
-                    "MPI, DeepSpeed's shm all-reduce) side by side on this machine, in "
-                    "nccl-tests-shaped tables. Sizes take K/M/G suffixes.",
+                    "MPI, DeepSpeed's shm all-reduce, torch's symm_mem all-reduce kernels) "
+                    "side by side on this machine, in nccl-tests-shaped tables. Sizes take "
+                    "K/M/G suffixes.",
         epilog="'python -m pyddp.bench ddp --help' and 'python -m pyddp.bench soak --help' "
                "describe the DDP benchmark and the soak. "
                "Under torchrun (RANK and WORLD_SIZE set) this process is one of the ranks and "

@@ -35,6 +35,11 @@ between ranks for n < 101."""
 SENTINEL = 0
 """Outputs are filled with this before a checked run; no expected value is 0."""
 
+MEMORIES = ("torch", "registered", "symmetric")
+"""Where a case's buffers come from, as a peer asks (``Peer.memory``): torch.empty, pyddp's
+registered memory (pyddp.empty; CPU only) or torch's symmetric memory
+(torch.distributed._symmetric_memory.empty; CUDA only), which a symm_mem peer needs."""
+
 
 def exact_limit(dtype: torch.dtype) -> int:
     """The largest integer that ``dtype`` and every integer below it represent exactly."""
@@ -138,14 +143,20 @@ class _Buffers:
     world_size: int
     dtype: torch.dtype
     device: torch.device
-    registered: bool = False
-    """Whether the buffers are in pyddp's registered memory (pyddp.empty; CPU only)."""
+    memory: str = "torch"
+    """Which allocator the buffers come from (one of ``MEMORIES``)."""
     _expected: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def empty(self, count: int) -> torch.Tensor:
         """An uninitialised buffer of ``count`` elements of this case's dtype, where it lives."""
-        if self.registered:
+        if self.memory == "registered":
             return pyddp.empty(count, dtype=self.dtype)
+        if self.memory == "symmetric":
+            from torch.distributed import _symmetric_memory
+
+            return _symmetric_memory.empty(count, dtype=self.dtype, device=self.device)
+        if self.memory != "torch":
+            raise ValueError(f"unknown memory {self.memory!r}; known: {', '.join(MEMORIES)}")
         return torch.empty(count, dtype=self.dtype, device=self.device)
 
     def place(self, values: torch.Tensor) -> torch.Tensor:
@@ -209,9 +220,9 @@ class AllReduceCase(_InPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "AllReduceCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize, redop)
+        return cls(_Buffers(rank, world_size, dtype, device, memory), nbytes // dtype.itemsize, redop)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.all_reduce(self.tensor, self._redop)
@@ -234,9 +245,9 @@ class BroadcastCase(_InPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "BroadcastCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize, root)
+        return cls(_Buffers(rank, world_size, dtype, device, memory), nbytes // dtype.itemsize, root)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
         return peer.broadcast(self.tensor, self._root)
@@ -277,9 +288,9 @@ class AllGatherCase(_OutOfPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "AllGatherCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered),
+        return cls(_Buffers(rank, world_size, dtype, device, memory),
                    _block_count(nbytes, dtype, world_size))
 
     @property
@@ -308,9 +319,9 @@ class ReduceScatterCase(_OutOfPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "ReduceScatterCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered),
+        return cls(_Buffers(rank, world_size, dtype, device, memory),
                    _block_count(nbytes, dtype, world_size), redop)
 
     def bind(self, peer: Peer) -> Callable[[], None]:
@@ -336,9 +347,9 @@ class AllToAllCase(_OutOfPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "AllToAllCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered),
+        return cls(_Buffers(rank, world_size, dtype, device, memory),
                    _block_count(nbytes, dtype, world_size))
 
     def bind(self, peer: Peer) -> Callable[[], None]:
@@ -365,9 +376,9 @@ class SendRecvCase(_OutOfPlaceCase):
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "SendRecvCase":
-        return cls(_Buffers(rank, world_size, dtype, device, registered), nbytes // dtype.itemsize)
+        return cls(_Buffers(rank, world_size, dtype, device, memory), nbytes // dtype.itemsize)
 
     def _neighbour(self, step: int) -> int:
         return (self._b.rank + step) % self._b.world_size
@@ -389,7 +400,7 @@ class BarrierCase:
 
     @classmethod
     def prepare(cls, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int,
-                world_size: int, redop: str, root: int, registered: bool = False
+                world_size: int, redop: str, root: int, memory: str = "torch"
                 ) -> "BarrierCase":
         return cls()
 
@@ -404,8 +415,8 @@ class BarrierCase:
 
 
 CaseFactory = Callable[..., Case]
-"""``prepare(nbytes, dtype, device, rank, world_size, redop, root, registered=False)``: buffers
-of about ``nbytes``, in pyddp's registered memory if ``registered``."""
+"""``prepare(nbytes, dtype, device, rank, world_size, redop, root, memory="torch")``: buffers
+of about ``nbytes`` from the allocator ``memory`` names (``MEMORIES``)."""
 
 OPS: dict[str, CaseFactory] = {
     "all_reduce": AllReduceCase.prepare,

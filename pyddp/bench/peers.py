@@ -3,7 +3,9 @@
 Each entry of ``PEERS`` is a class with two class methods: ``probe(ctx)``
 says in a rank, before any group is joined, why the peer cannot run here
 (None when it can; the ranks agree on the answer before acting on it), and
-``open(ctx)`` joins its group and returns a Peer. A Peer hands out
+``open(ctx)`` joins its group and returns a Peer, or raises ``Unavailable``
+when only joining shows that it cannot run here (the ranks agree on that
+too). A Peer hands out
 *bound* collectives: a function that runs one collective on given buffers, so
 per-call conversions (to numpy for MPI, say) happen once per buffer, not once
 per timed call.
@@ -19,6 +21,7 @@ import secrets
 import shutil
 import subprocess
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Protocol
@@ -37,6 +40,19 @@ MPIRUN_VERSION_SECONDS = 30.0
 
 Run = Callable[[], None]
 """One blocking call of a collective on fixed buffers."""
+
+SYMM_MEM_TRIAL_COUNT = 1024
+"""Elements of the all-reduce a symm_mem peer runs once when it opens, to find out whether the
+kernels run here before the sweep depends on them."""
+
+SYMM_MEM_OVERLAPPING = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+"""torch's switch that lets ranks on one GPU map each other's symmetric memory (its rendezvous
+refuses "allocations from overlapping devices" otherwise)."""
+
+
+class Unavailable(Exception):
+    """Raised by a peer's ``open`` when joining showed that it cannot run here; the message
+    says why, and the peer has released what it took."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,9 @@ class Peer(Protocol):
     detail: str
     checked: bool
     """Whether its outputs are the collective's, which --check compares with the reference."""
-    registered: bool
-    """Whether its buffers are in pyddp's registered memory (pyddp.empty) instead of torch's."""
+    memory: str
+    """Where its buffers come from: "torch" (torch.empty), "registered" (pyddp's registered
+    memory, pyddp.empty) or "symmetric" (torch's symmetric memory); ops.MEMORIES."""
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
         """Why this peer cannot run ``op`` with ``redop`` on ``dtype``; None if it can."""
@@ -148,7 +165,7 @@ class _TorchGroupCalls:
     """Bound collectives through torch.distributed on ``self._group`` (None: the default)."""
 
     checked: ClassVar[bool] = True
-    registered: ClassVar[bool] = False
+    memory: ClassVar[str] = "torch"
 
     _group: Optional[dist.ProcessGroup]
     device: torch.device
@@ -204,8 +221,7 @@ class GlooPeer(_TorchGroupCalls):
 
     @classmethod
     def open(cls, ctx: RankContext) -> "GlooPeer":
-        if dist.get_backend() != "gloo":
-            raise RuntimeError("the gloo peer needs the default group to be a gloo group")
+        _require_gloo_default_group(cls.name)
         return cls()
 
     def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
@@ -213,6 +229,62 @@ class GlooPeer(_TorchGroupCalls):
 
     def close(self) -> None:
         """Nothing to do: the default group outlives the peers."""
+
+
+def _require_gloo_default_group(peer: str) -> None:
+    """Raises unless torch.distributed's default group, which ``peer`` runs on, is gloo's."""
+    if dist.get_backend() != "gloo":
+        raise RuntimeError(f"the {peer} peer needs the default group to be a gloo group")
+
+
+class _OnTheRanksGpu:
+    """Makes a CPU peer its CUDA twin: the same calls, on buffers on this rank's GPU
+    (``devices.use_gpu``), timed until that GPU is done. Listed first among the bases."""
+
+    device: torch.device
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        return _cuda_reason(ctx)
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "_OnTheRanksGpu":
+        return cls(devices.use_gpu(ctx.local_rank, ctx.local_world_size))
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class GlooCudaPeer(_OnTheRanksGpu, GlooPeer):
+    """torch.distributed's gloo on CUDA tensors: the default group, as ``gloo``, with every
+    buffer on this rank's GPU.
+
+    Gloo copies a CUDA tensor to pinned host memory, runs its CPU algorithm
+    there and copies the result back (its reduce_scatter all-reduces the whole
+    input): the path any library that keeps the bytes on the GPU should beat,
+    and one that runs wherever torch does. Its send and recv hand the tensor's
+    memory to the host transport as it is, so it cannot send a CUDA tensor.
+    """
+
+    name = "gloo_cuda"
+    detail = "torch.distributed gloo on CUDA tensors, staged through pinned host memory"
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "GlooCudaPeer":
+        _require_gloo_default_group(cls.name)
+        return super().open(ctx)
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op == "sendrecv":
+            return ("gloo's send and recv hand the tensor's memory to its host transport as "
+                    "it is: they stage no CUDA tensor")
+        if op == "barrier":
+            return "a barrier has no tensor to put on a GPU: the gloo row times it"
+        return None
 
 
 class TorchNcclPeer(_TorchGroupCalls):
@@ -254,7 +326,7 @@ class _PyddpPeer:
     """
 
     checked: ClassVar[bool] = True
-    registered: ClassVar[bool] = False
+    memory: ClassVar[str] = "torch"
 
     name: ClassVar[str]
     _transport: ClassVar[str]
@@ -357,7 +429,7 @@ class PyddpRegisteredPeer(PyddpShmPeer):
     peers read where they lie; the same group as ``pyddp`` otherwise."""
 
     name = "pyddp_registered"
-    registered = True
+    memory = "registered"
 
     def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
         super().__init__(group, device)
@@ -431,7 +503,7 @@ class MpiPeer:
     """
 
     checked: ClassVar[bool] = True
-    registered: ClassVar[bool] = False
+    memory: ClassVar[str] = "torch"
 
     name: ClassVar[str] = "mpi"
     device = torch.device("cpu")
@@ -528,7 +600,7 @@ class DeepSpeedShmPeer:
     """
 
     checked: ClassVar[bool] = True
-    registered: ClassVar[bool] = False
+    memory: ClassVar[str] = "torch"
 
     name: ClassVar[str] = "deepspeed"
     device = torch.device("cpu")
@@ -639,7 +711,7 @@ class LimitPeer:
     device = torch.device("cpu")
     detail = "every rank copies the largest buffer once, all at once"
     checked: ClassVar[bool] = False
-    registered: ClassVar[bool] = False
+    memory: ClassVar[str] = "torch"
 
     @classmethod
     def probe(cls, ctx: RankContext) -> Optional[str]:
@@ -687,11 +759,169 @@ class LimitPeer:
         """Nothing to do: it holds no group."""
 
 
+class LimitCudaPeer(_OnTheRanksGpu, LimitPeer):
+    """The ``limit`` row on GPUs: every rank copies the collective's largest buffer once on
+    its own GPU, device to device (``dst.copy_(src)``), all ranks at once, timed as every
+    peer is (until its GPU is done). Ranks that share a GPU copy on it together, so the row
+    is what its memory gives them at once."""
+
+    name = "limit_cuda"
+    detail = "every rank copies the largest buffer once on its GPU, device to device, all at once"
+
+
+class _SymmMemPeer:
+    """PyTorch's own all-reduce kernels over CUDA IPC (``torch.ops.symm_mem``): every rank
+    maps every other rank's buffer and the kernel reads them in place, with flags in the
+    same mapped memory as its barriers.
+
+    Its buffers come from torch's symmetric memory (``symm_mem.empty``; the
+    case allocates them, ``memory``) and are exchanged once per buffer
+    (``symm_mem.rendezvous`` over a gloo group of its own) when a collective is
+    bound, which every rank does in the same order. The kernels sum float32
+    and bfloat16 only, in messages of whole 4-byte words (torch checks).
+    Where ranks share a GPU, torch's rendezvous refuses unless
+    SYMM_MEM_OVERLAPPING is set, which this peer does for its rendezvous;
+    their kernels wait for each other by spinning, so they run well only
+    under NVIDIA's MPS daemon. ``open`` runs one small all-reduce: a
+    rendezvous or a kernel that fails there makes the peer Unavailable with
+    torch's message, instead of failing the sweep.
+    """
+
+    checked: ClassVar[bool] = True
+    memory: ClassVar[str] = "symmetric"
+
+    name: ClassVar[str]
+    _op: ClassVar[str]
+    """The operator of torch.ops.symm_mem this peer runs."""
+    _in_place: ClassVar[bool]
+    """Whether the operator reduces its input in place; otherwise its output is copied back,
+    as the benchmark's all_reduce is in place."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device,
+                 environ: dict[str, str]) -> None:
+        self._group = group
+        self.device = device
+        self._environ = environ
+        self.detail = f"torch symm_mem {self._op}, " + (
+            "in place" if self._in_place
+            else "its output copied back into the buffer (one more local copy of the message)")
+        if environ:
+            self.detail += f"; ranks share a GPU ({SYMM_MEM_OVERLAPPING}=1)"
+
+    @classmethod
+    def probe(cls, ctx: RankContext) -> Optional[str]:
+        reason = _cuda_reason(ctx)
+        if reason is not None:
+            return reason
+        if ctx.world_size != ctx.local_world_size or ctx.hosts > 1:
+            return "symm_mem maps its peers' GPU memory through CUDA IPC: every rank on one host"
+        if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+            return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
+        operator = f"symm_mem::{cls._op}"
+        try:
+            has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(operator, "CUDA")
+        except RuntimeError:
+            return f"torch {torch.__version__} has no operator {operator}"
+        if not has_kernel:
+            return f"torch {torch.__version__} has no CUDA kernel for {operator}"
+        return None
+
+    @classmethod
+    def open(cls, ctx: RankContext) -> "_SymmMemPeer":
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        device = devices.use_gpu(ctx.local_rank, ctx.local_world_size)
+        shared = devices.shares_gpu(ctx.local_world_size, torch.cuda.device_count())
+        peer = cls(dist.new_group(backend="gloo", timeout=ctx.timeout), device,
+                   {SYMM_MEM_OVERLAPPING: "1"} if shared else {})
+        try:
+            # Releases of torch before it was deprecated need it before a rendezvous; later
+            # ones only warn that it is no longer needed.
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    enable(peer._group.group_name)
+            trial = symm_mem.empty(SYMM_MEM_TRIAL_COUNT, dtype=torch.float32, device=device)
+            trial.fill_(1.0)
+            peer.all_reduce(trial, "sum")()
+            peer.sync()
+        except RuntimeError as error:
+            peer.close()
+            raise Unavailable(f"torch symm_mem {cls._op} failed here: {error}") from error
+        return peer
+
+    def unsupported(self, op: str, redop: str, dtype: torch.dtype) -> Optional[str]:
+        if op != "all_reduce":
+            return f"torch.ops.symm_mem.{self._op} is an all_reduce"
+        if redop != "sum":
+            return f"torch.ops.symm_mem.{self._op} sums only"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"torch.ops.symm_mem.{self._op} has float32 and bfloat16 kernels only"
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        # Binding exchanges the buffer's mapping with every rank (a collective; the ranks
+        # bind in the same order), so that the timed calls only launch the kernel.
+        group_name = self._group.group_name
+        with temporary_environ(self._environ):
+            symm_mem.rendezvous(tensor, group_name)
+        op = getattr(torch.ops.symm_mem, self._op)
+        if self._in_place:
+            return lambda: op(tensor, redop, group_name)
+        return lambda: tensor.copy_(op(tensor, redop, group_name))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        raise NotImplementedError(f"{self.name}: all_reduce only (see unsupported)")
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        raise NotImplementedError(f"{self.name}: all_reduce only (see unsupported)")
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        raise NotImplementedError(f"{self.name}: all_reduce only (see unsupported)")
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        raise NotImplementedError(f"{self.name}: all_reduce only (see unsupported)")
+
+    def sendrecv(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> Run:
+        raise NotImplementedError(f"{self.name}: all_reduce only (see unsupported)")
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        dist.destroy_process_group(self._group)
+
+
+class SymmMemOneShotPeer(_SymmMemPeer):
+    """``torch.ops.symm_mem.one_shot_all_reduce``: each rank reads every rank's whole buffer
+    and reduces it into a new tensor, which is copied back (the benchmark's all_reduce is in
+    place, and the kernel's output may not be its input: peers still read it)."""
+
+    name = "symm_mem_one_shot"
+    _op = "one_shot_all_reduce"
+    _in_place = False
+
+
+class SymmMemTwoShotPeer(_SymmMemPeer):
+    """``torch.ops.symm_mem.two_shot_all_reduce_``: each rank reduces its share of every
+    rank's buffer and writes it into all of them, in place."""
+
+    name = "symm_mem_two_shot"
+    _op = "two_shot_all_reduce_"
+    _in_place = True
+
+
 PEERS: dict[str, type] = {
     cls.name: cls for cls in (
         PyddpShmPeer, PyddpRegisteredPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
         TorchNcclPeer, PyddpIpcRingPeer, PyddpIpcDirectPeer, PyddpNcclPeer,
-        PyddpNcclRingPeer)
+        PyddpNcclRingPeer, GlooCudaPeer, SymmMemOneShotPeer, SymmMemTwoShotPeer, LimitCudaPeer)
 }
 """Every peer the tool knows, CPU ones first, in table order."""
 
@@ -702,8 +932,12 @@ gloo."""
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 """The peer every other peer on a device is compared with by default."""
 
-CEILINGS = {"cpu": LimitPeer.name}
+CEILINGS = {"cpu": LimitPeer.name, "cuda": LimitCudaPeer.name}
 """The peer that measures a device's limit, which every other peer is compared with too."""
+
+FLOORS = {"cuda": GlooCudaPeer.name}
+"""The plain path every other peer on a device is compared with too, whatever the baseline:
+on GPUs torch's gloo, which stages CUDA tensors through host memory."""
 
 RIVALS = {"cpu": "mpi"}
 """The fastest other library on a device, which every other peer is compared with too when

@@ -12,7 +12,7 @@ import torch
 
 from pyddp.bench.across_hosts import flat_ring_inter_host_bytes, hierarchical_inter_host_bytes
 from pyddp.bench.metrics import Result, Skipped
-from pyddp.bench.peers import CEILINGS, RIVALS
+from pyddp.bench.peers import CEILINGS, FLOORS, RIVALS
 
 _ROW = "{:>12}  {:>12}  {:>8}  {:>6}  {:>4}  {:>11}  {:>12}  {:>12}  {:>7}"
 
@@ -48,7 +48,9 @@ def summary(results: Sequence[Result], peers: Sequence[str], baseline: str) -> O
         return None
     first = next(iter(base.values()))
     times = {(r.peer, r.size): r.time_us for r in results}
-    row = "{:>12}  {:>12}" + "  {:>12}" * len(others)
+    # Columns of 12, wider where a name is longer.
+    row = "{:>12}" + "".join(f"  {{:>{max(12, len(name))}}}"
+                             for name in (f"{baseline} (us)", *others))
     lines = [
         f"# summary: {first.op} on {first.device}, speed-up over {baseline} "
         f"({baseline} time / peer time = busbw ratio; above 1 is faster)",
@@ -73,7 +75,8 @@ def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[
     """All tables (per op, per peer), each op's summaries, the skips and the wrong count.
 
     ``baselines`` maps a device ("cpu", "cuda") to the peer its summary
-    compares with.
+    compares with; every op also gets a summary over each device's rival,
+    floor and ceiling peer (peers.RIVALS, FLOORS, CEILINGS) where it ran.
     """
     blocks: list[str] = []
     for op in ops:
@@ -82,11 +85,13 @@ def render(results: Sequence[Result], skipped: Sequence[Skipped], ops: Sequence[
             rows = [r for r in of_op if r.peer == name]
             if rows:
                 blocks.append(table(rows))
-        # Against the baseline, the rival library when it ran (MPI time / peer time),
-        # then the ceiling (below 1: the share of the machine's memory speed a peer
-        # reaches).
-        for device, baseline in [*baselines.items(), *RIVALS.items(), *CEILINGS.items()]:
-            text = summary([r for r in of_op if r.device == device], peers, baseline)
+        # Against the baseline, the rival library when it ran (MPI time / peer time), the
+        # floor (on GPUs gloo, staged through the host), then the ceiling (below 1: the
+        # share of the machine's memory speed a peer reaches); each pair once.
+        references = dict.fromkeys(
+            [*baselines.items(), *RIVALS.items(), *FLOORS.items(), *CEILINGS.items()])
+        for device, reference in references:
+            text = summary([r for r in of_op if r.device == device], peers, reference)
             if text is not None:
                 blocks.append(text)
     if skipped:

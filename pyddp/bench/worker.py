@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from pyddp.bench.peers import PEERS, Peer, RankContext, Run
+from pyddp.bench.peers import PEERS, Peer, RankContext, Run, Unavailable
 from pyddp.bench.metrics import Result, Skipped
 from pyddp.bench.ops import OPS, REDUCING_OPS, SIZELESS_OPS, Case
 from pyddp.bench.over_ranks import max_over_ranks, sum_over_ranks
@@ -129,7 +129,13 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                 if reason is not None:
                     yield Skipped(name, None, reason)
                     continue
-                peer = PEERS[name].open(ctx)
+                peer, reason = _open(name, ctx)
+                reason = _agree(reason)
+                if reason is not None:
+                    if peer is not None:
+                        peer.close()
+                    yield Skipped(name, None, reason)
+                    continue
                 stack.callback(peer.close)
                 for op in plan.ops:
                     reason = peer.unsupported(op, plan.redop, dtype)
@@ -142,17 +148,25 @@ def sweep(plan: Plan, launch: Launch, store: dist.Store) -> Iterator[Event]:
                     if op in SIZELESS_OPS and size != plan.sizes[0]:
                         continue
                     # Peers share the buffers of their device and kind of memory.
-                    cases: dict[tuple[torch.device, bool], Case] = {}
+                    cases: dict[tuple[torch.device, str], Case] = {}
                     for peer in active[op]:
-                        where = (peer.device, peer.registered)
+                        where = (peer.device, peer.memory)
                         if where not in cases:
                             cases[where] = OPS[op](
                                 size, dtype, peer.device, launch.rank, launch.world_size,
-                                plan.redop, plan.root, registered=peer.registered)
-                    points = [_Point(op, cases[(b.device, b.registered)], b) for b in active[op]]
+                                plan.redop, plan.root, memory=peer.memory)
+                    points = [_Point(op, cases[(b.device, b.memory)], b) for b in active[op]]
                     yield from _measure(op, points, plan)
     finally:
         dist.destroy_process_group()
+
+
+def _open(name: str, ctx: RankContext) -> tuple[Optional[Peer], Optional[str]]:
+    """Peer ``name`` joined on this rank, or None and why it turned out unable to run here."""
+    try:
+        return PEERS[name].open(ctx), None
+    except Unavailable as error:
+        return None, str(error)
 
 
 def _agree(reason: Optional[str]) -> Optional[str]:
