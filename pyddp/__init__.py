@@ -94,10 +94,10 @@ from .process_group import (  # noqa: E402
     reduce_scatter_single,
     reduce_scatter_tensor,
     reduce_scatter_tensor_coalesced,
-    register_torch_backend,
     scatter,
     send,
 )
+from .torch_backend import register_torch_backend  # noqa: E402
 from .ddp import DistributedDataParallel  # noqa: E402
 from .registered import empty, is_registered  # noqa: E402
 from .rendezvous import local_rank  # noqa: E402

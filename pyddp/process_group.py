@@ -1,11 +1,11 @@
-"""The process group: a typed Python face over the C++ engines.
+"""pyddp's own process group, a typed Python face over the C++ engines, and the module-level
+API over the default group (torch.distributed's "pyddp" backend: torch_backend.py).
 
-This is the only module that imports ``pyddp._C``. Names and argument order
-follow ``torch.distributed``. A group holds one engine per device type
-(``_C.Engine``: pyddp's ring over shm for CPU tensors; for CUDA tensors
-pyddp's ring over cuda_ipc or NCCL send/recv, or NCCL's own collectives).
-Which engine serves a device is decided in C++ (``_C.make_engine``, from the
-group's ``backend`` name); this module only logs the choice.
+Names and argument order follow ``torch.distributed``. A group holds one engine per device
+type (``_C.Engine``: pyddp's ring over shm for CPU tensors; for CUDA tensors pyddp's ring over
+cuda_ipc or NCCL send/recv, or NCCL's own collectives). Which engine serves a device is decided
+in C++ (``_C.make_engine``, from the group's ``backend`` name); this module only logs the
+choice.
 """
 
 from __future__ import annotations
@@ -1001,56 +1001,3 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
         raise ValueError("pyddp.batch_isend_irecv: expected a non-empty list of pyddp.P2POp")
     return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
 
-
-# --- pyddp as a torch.distributed backend -------------------------------------
-
-TORCH_BACKEND_NAME = "pyddp"
-
-
-def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
-                          pg_options: object) -> _C.Engine:
-    """The creator torch.distributed calls for ``init_process_group("pyddp")`` and its
-    ``new_group`` calls (torch's extended creator API).
-
-    torch hands over its own (prefixed) store, the group's rank, size and timeout, and the
-    global ranks of a subgroup; the other settings come from the PYDDP_* variables, as for
-    pyddp's own groups.
-    """
-    store, rank, world_size = options.store, options.group_rank, options.group_size
-    timeout = options.timeout
-    members = list(options.global_ranks_in_group)
-    if members:
-        # A subgroup. torch names it by a count alone and calls no creator on
-        # its non-members, so its members agree on who they are (a member
-        # that asked for other members fails, naming every request it saw),
-        # and the member list is part of the store prefix: groups of other
-        # members made under the same name never meet.
-        world = dist.get_world_size()
-        _C.agree_on_group(dist.PrefixStore("agree", store), dist.get_rank(), members,
-                          f"ranks {members} of a world of {world}",
-                          "torch.distributed.new_group", timeout)
-        store = dist.PrefixStore("members=" + ",".join(map(str, members)), store)
-    opts = RingOptions()
-    opts.timeout_ms = max(1, int(timeout.total_seconds() * 1000))
-    opts.validate()
-    engine, _, layout = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"),
-                                       "auto")
-    logger.info("rank %d/%d: torch.distributed backend %r over %s (%s; slot_bytes=%d, "
-                "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
-                TORCH_BACKEND_NAME, engine.transport, layout, opts.slot_bytes, opts.num_slots,
-                opts.direct_max_bytes, opts.algo)
-    return engine
-
-
-def register_torch_backend() -> None:
-    """Registers ``"pyddp"`` with ``torch.distributed`` (for CPU tensors).
-
-    Afterwards ``torch.distributed.init_process_group("pyddp")``, or a
-    per-device string such as ``"cpu:pyddp,cuda:nccl"``, routes torch's
-    collectives, ``all_gather_object`` and friends, and torch's own
-    ``DistributedDataParallel`` through pyddp. Idempotent.
-    """
-    if TORCH_BACKEND_NAME in dist.Backend.backend_list:
-        return
-    dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, extended_api=True,
-                                  devices=["cpu"])
