@@ -56,7 +56,6 @@ if _C.torch_version != _torch.__version__.split("+")[0]:
 from .process_group import (  # noqa: E402
     BACKENDS,
     Algo,
-    NonMemberGroup,
     P2POp,
     ProcessGroup,
     ReduceOp,
@@ -87,17 +86,16 @@ from .process_group import (  # noqa: E402
     is_initialized,
     isend,
     monitored_barrier,
-    new_group,
-    new_subgroups,
     recv,
     reduce,
     reduce_scatter_single,
     reduce_scatter_tensor,
     reduce_scatter_tensor_coalesced,
-    register_torch_backend,
     scatter,
     send,
 )
+from .subgroups import NonMemberGroup, new_group, new_subgroups  # noqa: E402
+from .torch_backend import register_torch_backend  # noqa: E402
 from .ddp import DistributedDataParallel  # noqa: E402
 from .registered import empty, is_registered  # noqa: E402
 from .rendezvous import local_rank  # noqa: E402
