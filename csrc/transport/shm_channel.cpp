@@ -111,11 +111,6 @@ std::string ShmMessages::describe(const Op& op) const {
       toString(op.dtype) + ")";
 }
 
-char* ShmMessages::slot(ChannelHeader* h, uint64_t piece) const {
-  const size_t stride = sizeof(PieceHeader) + slotBytes_;
-  return reinterpret_cast<char*>(h) + sizeof(ChannelHeader) + (piece % numSlots_) * stride;
-}
-
 ShmMessages::Out& ShmMessages::out(int peer) {
   if (outs_[peer]) return *outs_[peer];
   auto o = std::make_unique<Out>();
@@ -148,6 +143,8 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   h->numSlots = numSlots_;
   h->slotBytes = slotBytes_;
   o->header = h;
+  o->pieces = SlotSender(static_cast<char*>(o->segment.base()) + sizeof(ChannelHeader),
+                         slotStride(), numSlots_, &h->posted, &h->consumed);
   try {
     directory_->publish(channelKey(lane_, rank_, peer), BlobWriter()
                                                             .put("bytes", bytes)
@@ -162,9 +159,12 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   return *outs_[peer];
 }
 
+size_t ShmMessages::slotStride() const {
+  return sizeof(PieceHeader) + slotBytes_;
+}
+
 size_t ShmMessages::channelBytes() const {
-  return sizeof(ChannelHeader) +
-      static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
+  return sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * slotStride();
 }
 
 ShmMessages::In& ShmMessages::in(int peer) {
@@ -230,6 +230,8 @@ bool ShmMessages::connect(int peer, In& in) {
   if (!whole && !dead.empty()) throw unmade();
   PYDDP_CHECK(whole, who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
   in.header = h;
+  in.pieces = SlotReceiver(static_cast<const char*>(in.segment.base()) + sizeof(ChannelHeader),
+                           slotStride(), numSlots_, &h->posted, &h->consumed);
   return true;
 }
 
@@ -485,18 +487,14 @@ bool ShmMessages::progressOut(int peer, Out& o) {
         continue;
       }
     }
-    const uint64_t k = o.sent;
-    if (k >= static_cast<uint64_t>(numSlots_) &&
-        h->consumed.value.load(std::memory_order_acquire) < k + 1 - numSlots_) {
-      break;
-    }
-    char* s = slot(h, k);
+    if (!o.pieces.canSend()) break;
+    char* s = o.pieces.slot();
     const size_t n = std::min(slotBytes_, op.bytes - op.moved);
     *reinterpret_cast<PieceHeader*>(s) =
         PieceHeader{op.message, op.moved, n, op.bytes, op.tag, static_cast<int32_t>(op.dtype)};
     copyBytes(s + sizeof(PieceHeader), op.data + op.moved, n);
     op.moved += n;
-    h->posted.value.store(++o.sent, std::memory_order_release);
+    o.pieces.post();
     moved = true;
     if (op.moved == op.bytes) {
       o.queue.pop_front();
@@ -541,9 +539,8 @@ bool ShmMessages::progressIn(int peer, In& in) {
   }
   bool moved = false;
   in.stalled = false;
-  while ((in.pending > 0 || !anyPosted_.empty()) &&
-         h->posted.value.load(std::memory_order_acquire) > in.received) {
-    const char* s = slot(h, in.received);
+  while ((in.pending > 0 || !anyPosted_.empty()) && in.pieces.canReceive()) {
+    const char* s = in.pieces.slot();
     const PieceHeader piece = *reinterpret_cast<const PieceHeader*>(s);
     if (piece.message != in.current) {
       if (!admits(in, piece)) {
@@ -572,7 +569,7 @@ bool ShmMessages::progressIn(int peer, In& in) {
                                    [&](const auto& p) { return p.get() == &a; }));
       }
     }
-    h->consumed.value.store(++in.received, std::memory_order_release);
+    in.pieces.release();
     moved = true;
   }
   if (srcFailed && in.pending > 0) {
@@ -650,8 +647,7 @@ void ShmMessages::expire(Clock::time_point now) {
     } else {
       // A receive may still take what its sender posted before it died.
       const In& i = *ins_[op.peer];
-      const bool drained = !i.header || i.header->posted.value.load(std::memory_order_acquire) ==
-                                            i.received;
+      const bool drained = !i.header || !i.pieces.canReceive();
       if (!late && (dead.empty() || !drained)) continue;
     }
     std::string cause = dead;
@@ -682,8 +678,7 @@ std::string ShmMessages::drainedDeadSenders(std::unordered_map<int, std::string>
     if (deadPeers[peer].empty()) continue;
     // Still to read: a channel not looked up yet, or pieces posted and unread.
     const In* i = ins_[peer].get();
-    const bool drained = !i || i->failed ||
-        (i->header && i->header->posted.value.load(std::memory_order_acquire) == i->received);
+    const bool drained = !i || i->failed || (i->header && !i->pieces.canReceive());
     if (!drained) continue;
     dead += (dead.empty() ? "" : "; ") + deadPeers[peer];
     ++count;

@@ -28,10 +28,9 @@
 // and stream through the slots piece by piece; every piece carries its
 // message's number, tag, dtype, total size and offset (a message of 0
 // bytes is one empty piece). Counters only increase.
-//  - Pieces (as the ring link of shm.h): src writes piece k into slot
-//    k % numSlots once consumed >= k + 1 - numSlots, then stores
-//    posted = k + 1 (release); dst reads piece k once posted >= k + 1
-//    (acquire), then stores consumed = k + 1 (release).
+//  - Pieces: the slot FIFO of slot_fifo.h (its protocol and invariant),
+//    src's SlotSender to dst's SlotReceiver over the channel's slots, with
+//    the header's `posted` and `consumed`.
 //  - Matching (dst): a message goes to the oldest posted receive, from src
 //    or from any source, with its tag; a message that no posted receive
 //    wants is copied aside until one is posted. A receive from any source
@@ -79,6 +78,7 @@
 
 #include "transport/shm.h"
 #include "transport/shm_segment.h"
+#include "transport/slot_fifo.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -202,7 +202,7 @@ class ShmMessages final : public MessageLink {
   struct Out {
     Segment segment;
     ChannelHeader* header = nullptr;
-    uint64_t sent = 0;          // pieces posted; mirrors header->posted
+    SlotSender pieces;
     uint64_t nextMessage = 1;
     uint64_t verdictsRead = 0;             // mirrors header->verdictsRead
     std::deque<uint64_t> queue;            // sends not fully posted, in order
@@ -217,7 +217,7 @@ class ShmMessages final : public MessageLink {
     Segment segment;
     ChannelHeader* header = nullptr;
     Clock::time_point nextLookup{};
-    uint64_t received = 0;     // pieces read; mirrors header->consumed
+    SlotReceiver pieces;
     std::deque<uint64_t> posted;  // receives not yet matched, in post order
     // The message whose pieces are arriving: into a receive, aside, or
     // nowhere (refused).
@@ -236,13 +236,14 @@ class ShmMessages final : public MessageLink {
     uint64_t unmadeSeen = 0;  // the sender's failures to make it that failed receives
   };
 
-  char* slot(ChannelHeader* h, uint64_t piece) const;
   std::string who() const;
   std::string describe(const Op& op) const;
 
   // Channel ends, made on first use. mu_ held.
   Out& out(int peer);
   In& in(int peer);
+  // Bytes of one slot: a piece's header and payload.
+  size_t slotStride() const;
   size_t channelBytes() const;
   bool connect(int peer, In& in);
 
