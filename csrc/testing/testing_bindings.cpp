@@ -24,6 +24,7 @@
 #include "transport/shm.h"
 #include "transport/shm_segment.h"
 #include "transport/slot_stores.h"
+#include "transport/tag_matcher.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -231,6 +232,22 @@ void bindTesting(py::module_& m) {
   t.def("shm_segment_problem", &shm::segmentProblem, py::arg("owner"), py::arg("mode"),
         py::arg("size"), py::arg("expected"), py::arg("me"));
   t.def("is_segment_name", &shm::isSegmentName);
+  // The matching of point-to-point messages to receives, without a transport.
+  py::class_<TagMatcher>(t, "TagMatcher")
+      .def(py::init<>())
+      .def_readonly_static("ANY_SOURCE", &TagMatcher::kAnySource)
+      .def("post",
+           [](TagMatcher& m, uint64_t recv, int peer, int64_t tag) {
+             const auto taken = m.post(recv, peer, tag);
+             return taken ? std::optional(std::make_pair(taken->peer, taken->message))
+                          : std::nullopt;
+           },
+           py::arg("recv"), py::arg("peer"), py::arg("tag"))
+      .def("arrive", &TagMatcher::arrive, py::arg("peer"), py::arg("message"), py::arg("tag"))
+      .def("wanted", &TagMatcher::wanted, py::arg("peer"), py::arg("tag"))
+      .def("any_waiting", &TagMatcher::anyWaiting)
+      .def("withdraw", &TagMatcher::withdraw, py::arg("recv"))
+      .def("drop_peer", &TagMatcher::dropPeer, py::arg("peer"));
   // The wire formats (common/blob.h, common/descriptor.h) on their own.
   t.def("blob_write", [](const std::vector<std::pair<std::string, std::string>>& fields,
                          const std::vector<std::pair<std::string, py::bytes>>& bytesFields) {

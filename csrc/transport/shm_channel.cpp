@@ -111,11 +111,6 @@ std::string ShmMessages::describe(const Op& op) const {
       toString(op.dtype) + ")";
 }
 
-char* ShmMessages::slot(ChannelHeader* h, uint64_t piece) const {
-  const size_t stride = sizeof(PieceHeader) + slotBytes_;
-  return reinterpret_cast<char*>(h) + sizeof(ChannelHeader) + (piece % numSlots_) * stride;
-}
-
 ShmMessages::Out& ShmMessages::out(int peer) {
   if (outs_[peer]) return *outs_[peer];
   auto o = std::make_unique<Out>();
@@ -148,6 +143,8 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   h->numSlots = numSlots_;
   h->slotBytes = slotBytes_;
   o->header = h;
+  o->pieces = SlotSender(static_cast<char*>(o->segment.base()) + sizeof(ChannelHeader),
+                         slotStride(), numSlots_, &h->posted, &h->consumed);
   try {
     directory_->publish(channelKey(lane_, rank_, peer), BlobWriter()
                                                             .put("bytes", bytes)
@@ -162,9 +159,12 @@ ShmMessages::Out& ShmMessages::out(int peer) {
   return *outs_[peer];
 }
 
+size_t ShmMessages::slotStride() const {
+  return sizeof(PieceHeader) + slotBytes_;
+}
+
 size_t ShmMessages::channelBytes() const {
-  return sizeof(ChannelHeader) +
-      static_cast<size_t>(numSlots_) * (sizeof(PieceHeader) + slotBytes_);
+  return sizeof(ChannelHeader) + static_cast<size_t>(numSlots_) * slotStride();
 }
 
 ShmMessages::In& ShmMessages::in(int peer) {
@@ -230,6 +230,8 @@ bool ShmMessages::connect(int peer, In& in) {
   if (!whole && !dead.empty()) throw unmade();
   PYDDP_CHECK(whole, who(), ": ", what, " has an unexpected layout (different pyddp versions?)");
   in.header = h;
+  in.pieces = SlotReceiver(static_cast<const char*>(in.segment.base()) + sizeof(ChannelHeader),
+                           slotStride(), numSlots_, &h->posted, &h->consumed);
   return true;
 }
 
@@ -262,17 +264,22 @@ uint64_t ShmMessages::postRecv(int peer, int64_t tag, DataType dtype, void* data
     for (int p = 0; p < size_; ++p) {
       if (p != rank_) in(p);  // progressIn() reads every channel from now on
     }
-    if (!takeAsideAny(id)) anyPosted_.push_back(id);
-    return id;
+  } else {
+    In& i = in(peer);
+    ++i.pending;
+    if (i.failed) {
+      finish(id, op, State::Failed, i.failure);
+      return id;
+    }
   }
-  In& i = in(peer);
-  ++i.pending;
-  if (i.failed) {
-    finish(id, op, State::Failed, i.failure);
-    return id;
+  const auto taken = matcher_.post(id, peer, tag);
+  if (!taken) return id;
+  In& from = *ins_[taken->peer];
+  if (peer == kAnySource) {
+    op.peer = taken->peer;
+    ++from.pending;
   }
-  i.posted.push_back(id);
-  takeAside(peer, i, id);
+  takeAside(from, taken->message, id);
   return id;
 }
 
@@ -287,12 +294,11 @@ void ShmMessages::finish(uint64_t id, Op& op, State state, const std::string& wh
   if (op.state != State::Pending) return;
   op.state = state;
   op.why = why;
-  if (!op.send && op.peer == kAnySource) {
-    anyPosted_.erase(std::remove(anyPosted_.begin(), anyPosted_.end(), id), anyPosted_.end());
-  } else if (!op.send) {
+  if (op.send) return;
+  matcher_.withdraw(id);
+  if (op.peer != kAnySource) {
     In& i = *ins_[op.peer];
     --i.pending;
-    i.posted.erase(std::remove(i.posted.begin(), i.posted.end(), id), i.posted.end());
     if (i.currentOp == id) i.currentOp = 0;
   }
 }
@@ -327,18 +333,12 @@ void ShmMessages::flushVerdicts(In& in) {
   }
 }
 
-bool ShmMessages::admits(const In& in, const PieceHeader& piece) const {
-  for (const auto* posted : {&in.posted, &anyPosted_}) {
-    for (uint64_t id : *posted) {
-      if (ops_.at(id).tag == piece.tag) return true;
-    }
-  }
-  return in.asideBytes + piece.total <= asideBudget_;
+bool ShmMessages::admits(int peer, const In& in, const PieceHeader& piece) const {
+  return matcher_.wanted(peer, piece.tag) || in.asideBytes + piece.total <= asideBudget_;
 }
 
-void ShmMessages::dropAside(In& in, std::deque<std::unique_ptr<Aside>>::iterator it) {
-  if (in.currentAside == it->get()) in.currentAside = nullptr;
-  in.asideBytes -= (*it)->data.size();
+void ShmMessages::dropAside(In& in, std::map<uint64_t, Aside>::iterator it) {
+  in.asideBytes -= it->second.data.size();
   in.aside.erase(it);
 }
 
@@ -367,92 +367,41 @@ bool ShmMessages::readVerdicts(Out& o) {
   return true;
 }
 
-void ShmMessages::takeAside(int peer, In& in, uint64_t recvId) {
+void ShmMessages::takeAside(In& in, uint64_t message, uint64_t recvId) {
+  const auto it = in.aside.find(message);
+  Aside& a = it->second;
   Op& recv = ops_.at(recvId);
-  for (auto it = in.aside.begin(); it != in.aside.end(); ++it) {
-    Aside& a = **it;
-    if (a.claimedBy != 0 || a.tag != recv.tag) continue;
-    in.posted.erase(std::remove(in.posted.begin(), in.posted.end(), recvId), in.posted.end());
-    const bool accepted = judge(in, a.message, recvId, a.dtype, a.data.size());
-    const bool complete = a.arrived == a.data.size();
-    if (accepted && !complete) {
-      a.claimedBy = recvId;
-      return;
-    }
-    if (accepted) {
-      copyBytes(recv.data, a.data.data(), a.data.size());
-      recv.moved = a.data.size();
-      finish(recvId, recv, State::Done);
-    }
-    dropAside(in, it);  // refused: the rest of its pieces are dropped
+  const bool accepted = judge(in, message, recvId, a.dtype, a.data.size());
+  if (accepted && a.arrived < a.data.size()) {
+    a.claimedBy = recvId;
     return;
   }
-}
-
-bool ShmMessages::takeAsideAny(uint64_t recvId) {
-  const int64_t tag = ops_.at(recvId).tag;
-  int from = -1;
-  uint64_t first = 0;
-  for (int p = 0; p < size_; ++p) {
-    if (!ins_[p] || ins_[p]->failed) continue;
-    for (const auto& a : ins_[p]->aside) {
-      if (a->claimedBy != 0 || a->tag != tag) continue;
-      if (from < 0 || a->arrival < first) {
-        from = p;
-        first = a->arrival;
-      }
-      break;  // a channel's first with the tag: FIFO per pair and tag
-    }
+  if (accepted) {
+    copyBytes(recv.data, a.data.data(), a.data.size());
+    recv.moved = a.data.size();
+    finish(recvId, recv, State::Done);
   }
-  if (from < 0) return false;
-  In& i = *ins_[from];
-  ops_.at(recvId).peer = from;
-  ++i.pending;
-  takeAside(from, i, recvId);
-  return true;
+  dropAside(in, it);  // refused: the rest of its pieces are dropped
 }
 
 void ShmMessages::arrive(int peer, In& in, const PieceHeader& piece) {
   in.current = piece.message;
   in.currentOp = 0;
-  in.currentAside = nullptr;
   const DataType dtype = static_cast<DataType>(piece.dtype);
-  // The oldest receive that wants it: from this peer or from any source
-  // (ids grow in post order).
-  uint64_t mine = 0, any = 0;
-  for (uint64_t id : in.posted) {
-    if (ops_.at(id).tag == piece.tag) {
-      mine = id;
-      break;
-    }
+  const auto recvId = matcher_.arrive(peer, piece.message, piece.tag);
+  if (!recvId) {
+    Aside& a = in.aside[piece.message];
+    a.dtype = dtype;
+    a.data.resize(piece.total);
+    in.asideBytes += piece.total;
+    return;
   }
-  for (uint64_t id : anyPosted_) {
-    if (ops_.at(id).tag == piece.tag) {
-      any = id;
-      break;
-    }
-  }
-  if (any != 0 && (mine == 0 || any < mine)) {
-    anyPosted_.erase(std::find(anyPosted_.begin(), anyPosted_.end(), any));
-    ops_.at(any).peer = peer;
+  Op& recv = ops_.at(*recvId);
+  if (recv.peer == kAnySource) {
+    recv.peer = peer;
     ++in.pending;
-    if (judge(in, piece.message, any, dtype, piece.total)) in.currentOp = any;
-    return;
   }
-  if (mine != 0) {
-    in.posted.erase(std::find(in.posted.begin(), in.posted.end(), mine));
-    if (judge(in, piece.message, mine, dtype, piece.total)) in.currentOp = mine;
-    return;
-  }
-  auto a = std::make_unique<Aside>();
-  a->arrival = nextArrival_++;
-  a->message = piece.message;
-  a->tag = piece.tag;
-  a->dtype = dtype;
-  a->data.resize(piece.total);
-  in.asideBytes += piece.total;
-  in.currentAside = a.get();
-  in.aside.push_back(std::move(a));
+  if (judge(in, piece.message, *recvId, dtype, piece.total)) in.currentOp = *recvId;
 }
 
 bool ShmMessages::progressOut(int peer, Out& o) {
@@ -485,18 +434,14 @@ bool ShmMessages::progressOut(int peer, Out& o) {
         continue;
       }
     }
-    const uint64_t k = o.sent;
-    if (k >= static_cast<uint64_t>(numSlots_) &&
-        h->consumed.value.load(std::memory_order_acquire) < k + 1 - numSlots_) {
-      break;
-    }
-    char* s = slot(h, k);
+    if (!o.pieces.canSend()) break;
+    char* s = o.pieces.slot();
     const size_t n = std::min(slotBytes_, op.bytes - op.moved);
     *reinterpret_cast<PieceHeader*>(s) =
         PieceHeader{op.message, op.moved, n, op.bytes, op.tag, static_cast<int32_t>(op.dtype)};
     copyBytes(s + sizeof(PieceHeader), op.data + op.moved, n);
     op.moved += n;
-    h->posted.value.store(++o.sent, std::memory_order_release);
+    o.pieces.post();
     moved = true;
     if (op.moved == op.bytes) {
       o.queue.pop_front();
@@ -516,7 +461,9 @@ bool ShmMessages::progressOut(int peer, Out& o) {
 }
 
 bool ShmMessages::progressIn(int peer, In& in) {
-  if (in.failed || (in.pending == 0 && anyPosted_.empty() && in.unsent.empty())) return false;
+  if (in.failed || (in.pending == 0 && !matcher_.anyWaiting() && in.unsent.empty())) {
+    return false;
+  }
   if (!in.header) {
     // A channel that cannot be mapped (its sender unlinked it at teardown,
     // the store failed, or a forged value) fails its receives, not the
@@ -541,12 +488,11 @@ bool ShmMessages::progressIn(int peer, In& in) {
   }
   bool moved = false;
   in.stalled = false;
-  while ((in.pending > 0 || !anyPosted_.empty()) &&
-         h->posted.value.load(std::memory_order_acquire) > in.received) {
-    const char* s = slot(h, in.received);
+  while ((in.pending > 0 || matcher_.anyWaiting()) && in.pieces.canReceive()) {
+    const char* s = in.pieces.slot();
     const PieceHeader piece = *reinterpret_cast<const PieceHeader*>(s);
     if (piece.message != in.current) {
-      if (!admits(in, piece)) {
+      if (!admits(peer, in, piece)) {
         in.stalled = true;
         break;
       }
@@ -558,21 +504,19 @@ bool ShmMessages::progressIn(int peer, In& in) {
       copyBytes(recv.data + piece.offset, payload, piece.bytes);
       recv.moved += piece.bytes;
       if (recv.moved == recv.bytes) finish(in.currentOp, recv, State::Done);
-    } else if (in.currentAside != nullptr) {
-      Aside& a = *in.currentAside;
+    } else if (const auto it = in.aside.find(in.current); it != in.aside.end()) {
+      Aside& a = it->second;
       copyBytes(a.data.data() + piece.offset, payload, piece.bytes);
       a.arrived += piece.bytes;
       if (a.arrived == a.data.size() && a.claimedBy != 0) {
-        const uint64_t id = a.claimedBy;
-        Op& recv = ops_.at(id);
+        Op& recv = ops_.at(a.claimedBy);
         copyBytes(recv.data, a.data.data(), a.data.size());
         recv.moved = a.data.size();
-        finish(id, recv, State::Done);
-        dropAside(in, std::find_if(in.aside.begin(), in.aside.end(),
-                                   [&](const auto& p) { return p.get() == &a; }));
+        finish(a.claimedBy, recv, State::Done);
+        dropAside(in, it);
       }
     }
-    h->consumed.value.store(++in.received, std::memory_order_release);
+    in.pieces.release();
     moved = true;
   }
   if (srcFailed && in.pending > 0) {
@@ -609,11 +553,10 @@ void ShmMessages::failIn(int peer, In& in, const std::string& why, bool tellPeer
   for (auto& [id, op] : ops_) {
     if (!op.send && op.peer == peer) finish(id, op, State::Failed, why);
   }
-  in.posted.clear();
+  matcher_.dropPeer(peer);
   in.aside.clear();
   in.asideBytes = 0;
   in.unsent.clear();
-  in.currentAside = nullptr;
 }
 
 void ShmMessages::expire(Clock::time_point now) {
@@ -650,8 +593,7 @@ void ShmMessages::expire(Clock::time_point now) {
     } else {
       // A receive may still take what its sender posted before it died.
       const In& i = *ins_[op.peer];
-      const bool drained = !i.header || i.header->posted.value.load(std::memory_order_acquire) ==
-                                            i.received;
+      const bool drained = !i.header || !i.pieces.canReceive();
       if (!late && (dead.empty() || !drained)) continue;
     }
     std::string cause = dead;
@@ -682,8 +624,7 @@ std::string ShmMessages::drainedDeadSenders(std::unordered_map<int, std::string>
     if (deadPeers[peer].empty()) continue;
     // Still to read: a channel not looked up yet, or pieces posted and unread.
     const In* i = ins_[peer].get();
-    const bool drained = !i || i->failed ||
-        (i->header && i->header->posted.value.load(std::memory_order_acquire) == i->received);
+    const bool drained = !i || i->failed || (i->header && !i->pieces.canReceive());
     if (!drained) continue;
     dead += (dead.empty() ? "" : "; ") + deadPeers[peer];
     ++count;
@@ -873,9 +814,9 @@ void ShmMessages::abort(const std::string& why) {
     if (outs_[peer]) failOut(peer, *outs_[peer], why, true);
     if (ins_[peer]) failIn(peer, *ins_[peer], why, true);
   }
-  while (!anyPosted_.empty()) {
-    const uint64_t id = anyPosted_.front();
-    finish(id, ops_.at(id), State::Failed, why);
+  // What is left pending is the receives from any source not matched yet.
+  for (auto& [id, op] : ops_) {
+    if (!op.send && op.peer == kAnySource) finish(id, op, State::Failed, why);
   }
 }
 

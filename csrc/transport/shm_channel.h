@@ -28,25 +28,23 @@
 // and stream through the slots piece by piece; every piece carries its
 // message's number, tag, dtype, total size and offset (a message of 0
 // bytes is one empty piece). Counters only increase.
-//  - Pieces (as the ring link of shm.h): src writes piece k into slot
-//    k % numSlots once consumed >= k + 1 - numSlots, then stores
-//    posted = k + 1 (release); dst reads piece k once posted >= k + 1
-//    (acquire), then stores consumed = k + 1 (release).
-//  - Matching (dst): a message goes to the oldest posted receive, from src
-//    or from any source, with its tag; a message that no posted receive
-//    wants is copied aside until one is posted. A receive from any source
-//    takes, when posted, the message put aside first (in arrival order
-//    across channels) with its tag. So messages of one tag are received in
-//    send order, and tags in any order. Invariant: no message put aside
-//    and unclaimed has the tag of a receive from any source still waiting.
-//    Such a receive reads every channel to this rank, mapping each once
-//    its sender made it. What is aside is bounded per channel
-//    (asideBudget, PYDDP_P2P_BUFFER_BYTES for the user's lane): a message no
-//    receive wants that would exceed it stays in the slots, unread, until a
-//    receive for it is posted or what is aside shrinks. Its sender waits;
-//    a receive of a later message of the channel waits too (and names the
-//    budget if it times out). A message larger than the budget is never
-//    put aside: it moves when its receive is posted.
+//  - Pieces: the slot FIFO of slot_fifo.h (its protocol and invariant),
+//    src's SlotSender to dst's SlotReceiver over the channel's slots, with
+//    the header's `posted` and `consumed`.
+//  - Matching (dst): tag_matcher.h's rules and invariants, by one
+//    TagMatcher for all the channels of the lane to this rank, told of a
+//    message when its first piece is read. A message that no posted
+//    receive wants is copied aside until one is posted; a receive that
+//    takes it before all its pieces are read claims it, and gets it once
+//    they are. While a receive from any source waits, every channel to
+//    this rank is read, mapped once its sender made it. What is aside is
+//    bounded per channel (asideBudget, PYDDP_P2P_BUFFER_BYTES for the
+//    user's lane): a message no receive wants that would exceed it stays
+//    in the slots, unread, until a receive for it is posted or what is
+//    aside shrinks. Its sender waits; a receive of a later message of the
+//    channel waits too (and names the budget if it times out). A message
+//    larger than the budget is never put aside: it moves when its receive
+//    is posted.
 //  - Verdicts (dst -> src), a queue of kVerdictRing entries: when dst
 //    matches message m it appends 2m, or 2m + 1 with the reason in its
 //    text when the receive wants another size or dtype (then nothing is
@@ -79,6 +77,8 @@
 
 #include "transport/shm.h"
 #include "transport/shm_segment.h"
+#include "transport/slot_fifo.h"
+#include "transport/tag_matcher.h"
 #include "transport/transport.h"
 
 namespace pyddp {
@@ -188,21 +188,18 @@ class ShmMessages final : public MessageLink {
     State state = State::Pending;
     std::string why;
   };
-  // A message that arrived before a receive wanted it.
+  // The bytes of a message that arrived before a receive wanted it.
   struct Aside {
-    uint64_t arrival;  // order of arrival across channels
-    uint64_t message;
-    int64_t tag;
-    DataType dtype;
+    DataType dtype = DataType::UInt8;
     std::vector<char> data;
     size_t arrived = 0;
-    uint64_t claimedBy = 0;  // the receive that took it, once posted
+    uint64_t claimedBy = 0;  // the receive that took it before it all arrived
   };
   // This rank's end of the channel to `peer` (this rank is src).
   struct Out {
     Segment segment;
     ChannelHeader* header = nullptr;
-    uint64_t sent = 0;          // pieces posted; mirrors header->posted
+    SlotSender pieces;
     uint64_t nextMessage = 1;
     uint64_t verdictsRead = 0;             // mirrors header->verdictsRead
     std::deque<uint64_t> queue;            // sends not fully posted, in order
@@ -217,14 +214,12 @@ class ShmMessages final : public MessageLink {
     Segment segment;
     ChannelHeader* header = nullptr;
     Clock::time_point nextLookup{};
-    uint64_t received = 0;     // pieces read; mirrors header->consumed
-    std::deque<uint64_t> posted;  // receives not yet matched, in post order
-    // The message whose pieces are arriving: into a receive, aside, or
-    // nowhere (refused).
+    SlotReceiver pieces;
+    // The message whose pieces are arriving: into a receive (currentOp),
+    // aside (its entry of `aside`), or nowhere (refused).
     uint64_t current = 0;
     uint64_t currentOp = 0;
-    Aside* currentAside = nullptr;
-    std::deque<std::unique_ptr<Aside>> aside;  // in arrival order
+    std::map<uint64_t, Aside> aside;  // by message
     size_t asideBytes = 0;     // of the messages in `aside`
     // The next message wants no posted receive and does not fit the budget.
     bool stalled = false;
@@ -236,13 +231,14 @@ class ShmMessages final : public MessageLink {
     uint64_t unmadeSeen = 0;  // the sender's failures to make it that failed receives
   };
 
-  char* slot(ChannelHeader* h, uint64_t piece) const;
   std::string who() const;
   std::string describe(const Op& op) const;
 
   // Channel ends, made on first use. mu_ held.
   Out& out(int peer);
   In& in(int peer);
+  // Bytes of one slot: a piece's header and payload.
+  size_t slotStride() const;
   size_t channelBytes() const;
   bool connect(int peer, In& in);
 
@@ -250,11 +246,8 @@ class ShmMessages final : public MessageLink {
   bool progressIn(int peer, In& in);
   // Matches message (from a piece header) to a receive, or puts it aside.
   void arrive(int peer, In& in, const PieceHeader& piece);
-  // `recv` takes the oldest message put aside with its tag, if any.
-  void takeAside(int peer, In& in, uint64_t recv);
-  // A receive from any source takes the message put aside first, across
-  // channels, with its tag; returns whether there was one.
-  bool takeAsideAny(uint64_t recv);
+  // `recv` takes `message`, put aside in `in`.
+  void takeAside(In& in, uint64_t message, uint64_t recv);
   // Refuses or accepts message m for receive `recvId`; returns whether
   // accepted.
   bool judge(In& in, uint64_t m, uint64_t recvId, DataType dtype, size_t total);
@@ -263,8 +256,8 @@ class ShmMessages final : public MessageLink {
   // Whether the unexpected message `piece` starts may be read now: a
   // posted receive (from its sender or from any source) wants it, or it
   // fits the aside budget.
-  bool admits(const In& in, const PieceHeader& piece) const;
-  void dropAside(In& in, std::deque<std::unique_ptr<Aside>>::iterator it);
+  bool admits(int peer, const In& in, const PieceHeader& piece) const;
+  void dropAside(In& in, std::map<uint64_t, Aside>::iterator it);
   // What the sends of `out` learn from the verdict queue.
   bool readVerdicts(Out& out);
   void finish(uint64_t id, Op& op, State state, const std::string& why = "");
@@ -312,10 +305,9 @@ class ShmMessages final : public MessageLink {
   std::vector<std::unique_ptr<Out>> outs_;  // by peer, made on first use
   std::vector<uint64_t> unmade_;  // by peer: channels this rank failed to make, so far
   std::vector<std::unique_ptr<In>> ins_;
-  // Receives from any source not matched yet, in post order (their Op's
-  // peer is kAnySource until matched).
-  std::deque<uint64_t> anyPosted_;
-  uint64_t nextArrival_ = 1;
+  // Receives not matched yet (a receive from any source has kAnySource
+  // for its Op's peer until then), and the messages put aside, across ins_.
+  TagMatcher matcher_;
   Clock::time_point nextExpiry_{};
   bool closed_ = false;
 };
