@@ -195,12 +195,12 @@ def _rows(text: str, title: str) -> dict[str, list[str]]:
 
 
 def test_every_cuda_peer_is_compared_with_limit_cuda_and_gloo_cuda():
-    names = ["gloo", "gloo_cuda", "pyddp_ipc_ring", "symm_mem_two_shot", "limit_cuda"]
+    names = ["gloo", "gloo_cuda", "pyddp_ipc_two_shot", "symm_mem_two_shot", "limit_cuda"]
     results = [
         _result("gloo", 4096, 700.0, device="cpu"),
-        _result("gloo_cuda", 4096, 500.0), _result("pyddp_ipc_ring", 4096, 40.0),
+        _result("gloo_cuda", 4096, 500.0), _result("pyddp_ipc_two_shot", 4096, 40.0),
         _result("symm_mem_two_shot", 4096, 20.0), _result("limit_cuda", 4096, 10.0),
-        _result("gloo_cuda", 1 << 26, 5000.0), _result("pyddp_ipc_ring", 1 << 26, 200.0),
+        _result("gloo_cuda", 1 << 26, 5000.0), _result("pyddp_ipc_two_shot", 1 << 26, 200.0),
         _result("limit_cuda", 1 << 26, 50.0),
     ]
     skipped = [Skipped("nccl", None, "2 ranks on 1 GPU(s) need NCCL >= 2.30, torch has 2.28")]
@@ -227,9 +227,9 @@ def test_every_cuda_peer_is_compared_with_limit_cuda_and_gloo_cuda():
 
 def test_summary_with_limit_cuda_as_reference_is_its_time_over_each_peer():
     results = [_result("limit_cuda", 1024, 4.0, op="broadcast"),
-               _result("pyddp_ipc_direct", 1024, 16.0, op="broadcast"),
+               _result("pyddp_ipc_one_shot", 1024, 16.0, op="broadcast"),
                _result("gloo_cuda", 1024, 400.0, op="broadcast")]
-    text = summary(results, ["pyddp_ipc_direct", "gloo_cuda", "limit_cuda"], "limit_cuda")
+    text = summary(results, ["pyddp_ipc_one_shot", "gloo_cuda", "limit_cuda"], "limit_cuda")
     assert text.splitlines()[0] == (
         "# summary: broadcast on cuda, speed-up over limit_cuda (limit_cuda time / peer time "
         "= busbw ratio; above 1 is faster)")

@@ -114,8 +114,8 @@ def _result(peer: str, size: int, time_us: float, op: str = "all_reduce", wrong=
 def _sweep_output(wrong: int = 0, without: str = "") -> str:
     """What the check's sweep prints, rendered by the bench's report: NCCL skipped, the rest
     on two sizes of two ops."""
-    names = ["gloo_cuda", "pyddp_ipc_ring", "symm_mem_one_shot", "limit_cuda"]
-    times = {"gloo_cuda": 400.0, "pyddp_ipc_ring": 80.0, "symm_mem_one_shot": 20.0,
+    names = ["gloo_cuda", "pyddp_ipc_two_shot", "symm_mem_one_shot", "limit_cuda"]
+    times = {"gloo_cuda": 400.0, "pyddp_ipc_two_shot": 80.0, "symm_mem_one_shot": 20.0,
              "limit_cuda": 10.0}
     results = [_result(name, size, times[name] * factor, op, wrong if name == names[1] else 0)
                for op in SWEEP_OPS for size, factor in ((16384, 1), (1 << 26, 100))
@@ -135,7 +135,7 @@ def test_sweep_verdicts(tmp_path):
     good = _write(tmp_path / "good.log", _sweep_output())
     status, numbers = _call("judge_main_sweep", good, "0").rstrip("\n").split("\t")
     assert status == "ok"
-    assert numbers == ("wrong elements: 0; ran: gloo_cuda,pyddp_ipc_ring,symm_mem_one_shot,"
+    assert numbers == ("wrong elements: 0; ran: gloo_cuda,pyddp_ipc_two_shot,symm_mem_one_shot,"
                        "limit_cuda; skipped: nccl (2 ranks on 1 GPU(s) need NCCL >= 2.30, "
                        "torch has 2.28)")
     assert _call("judge_main_sweep", good, "1").startswith("FAILED\t")
@@ -146,7 +146,7 @@ def test_sweep_verdicts(tmp_path):
     assert verdict.startswith("FAILED\t") and verdict.endswith("; did not run: gloo_cuda\n")
     assert "gloo_cuda (no CUDA device)" in verdict
     # The pass without MPS needs the cuda_ipc peers, not gloo.
-    assert _call("judge_nomps_sweep", no_gloo, "0").endswith("did not run: pyddp_ipc_direct\n")
+    assert _call("judge_nomps_sweep", no_gloo, "0").endswith("did not run: pyddp_ipc_one_shot\n")
 
 
 def test_the_sweep_ratios_are_its_cuda_summaries(tmp_path):
@@ -383,7 +383,7 @@ case "$*" in
     "examples/train.py --device cuda --epochs 5") mps; cat {fakes}/train.txt ;;
     "-m pyddp.bench ddp --device cuda "*) mps; cat {fakes}/ddp.txt ;;
     "-m pytest -m cuda tests -k bitwise_identical "*) mps; cat {fakes}/nomps-tests.txt ;;
-    "-m pyddp.bench --peers pyddp_ipc_ring,"*) mps; cat {fakes}/nomps-sweep.txt ;;
+    "-m pyddp.bench --peers pyddp_ipc_two_shot,"*) mps; cat {fakes}/nomps-sweep.txt ;;
     *) exec {python} "$@" ;;
 esac
 """
@@ -423,7 +423,7 @@ def fakes(tmp_path):
     _write(folder / "train.txt", _train_output(1, 97.5))
     _write(folder / "ddp.txt", _ddp_output(True))
     _write(folder / "nomps-tests.txt", "== 6 passed in 20.00s ==\n")
-    _write(folder / "nomps-sweep.txt", _sweep_output().replace("gloo_cuda", "pyddp_ipc_direct"))
+    _write(folder / "nomps-sweep.txt", _sweep_output().replace("gloo_cuda", "pyddp_ipc_one_shot"))
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "CUDA_VISIBLE_DEVICES")}
     env.update(PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
                TMPDIR=str(tmp_path))

@@ -72,7 +72,7 @@ class Meeting {
                                      {});
   // Lets every peer's reservation go (transport.reclaim()): all, or those
   // of peers whose process has exited.
-  void reclaim(Transport& transport, bool deadOnly) const;
+  void reclaim(Connectable& transport, bool deadOnly) const;
   // Publishes done/<rank> and waits (bounded, errors ignored) until every
   // live rank it heard from has too: every rank has then read every value it
   // needed, so the rank that hosts the store may exit.
@@ -217,7 +217,7 @@ std::vector<std::string> Meeting::hello(
   return gather("hello", w.str(), missing, /*hellos=*/true);
 }
 
-void Meeting::reclaim(Transport& transport, bool deadOnly) const {
+void Meeting::reclaim(Connectable& transport, bool deadOnly) const {
   for (size_t i = 0; i < ranks_.size(); ++i) {
     const Peer& p = peers_[i];
     if (ranks_[i] == rank_ || !p.joined || p.reservation.empty()) continue;
@@ -262,7 +262,7 @@ std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
       .allGather(key, mine, "join the process group");
 }
 
-void connect(Transport& transport, c10d::Store& store, int rank, int size, Ms timeout) {
+void connect(Connectable& transport, c10d::Store& store, int rank, int size, Ms timeout) {
   Meeting meeting(store, rank, firstRanks(size), timeout);
   try {
     meeting.hello(transport.reserve(), "join the process group");

@@ -60,7 +60,7 @@ void agree(c10d::Store& store, int rank, const std::vector<int>& ranks,
            std::chrono::milliseconds timeout);
 
 // Sets up and connects `transport` on every rank (the sequence above).
-void connect(Transport& transport, c10d::Store& store, int rank, int size,
+void connect(Connectable& transport, c10d::Store& store, int rank, int size,
              std::chrono::milliseconds timeout);
 
 // The group's store as a transport's Directory, for connections made after

@@ -4,19 +4,30 @@
 
 #include <algorithm>
 
+#include "backend/fused_engine.h"
 #include "backend/layout.h"
 #include "backend/ring_engine.h"
 #include "common/check.h"
+#include "transport/emulated_memory.h"
 #include "transport/factory.h"
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_engine.h"
+#include "transport/cuda_ipc.h"
 #endif
 
 namespace pyddp {
 namespace {
 
-enum class EngineKind { Ring, Nccl, Hierarchical };
+enum class EngineKind { Ring, Nccl, Hierarchical, Fused };
+
+// Channels of the emulated grid: a thread each per rank, on machines with
+// few cores; more than one, so that channels run beside each other.
+constexpr int kEmulatedChannels = 4;
+// A GPU's: every channel a launch may use, and chunks of a size that keeps
+// a channel's loads in flight (512 KiB: an initial value, not yet measured
+// on pyddp's kernels). 64 MiB of buffer per rank.
+constexpr device::Geometry kGpuGeometry{device::kMaxChannels, 512 * 1024};
 
 struct Candidate {
   const char* backend;  // the user's name that selects it
@@ -29,20 +40,30 @@ struct Candidate {
 // every rank is on one host, else shm inside each host and gloo between
 // hosts. "auto" on a CUDA device: GPU memory mapped between processes when
 // every rank reaches every peer's memory (one host, peer access proven at
-// connect), else NCCL.
+// connect), else NCCL. "emulated": the GPU's fused collectives run on the
+// CPU (device/emulated_grid.h), for testing them without a GPU.
 constexpr Candidate kCandidates[] = {
     {"shm", c10::kCPU, EngineKind::Ring, "shm"},
+    {"emulated", c10::kCPU, EngineKind::Fused, "emulated"},
     {"auto", c10::kCPU, EngineKind::Ring, "shm"},
     {"auto", c10::kCPU, EngineKind::Hierarchical, "shm+gloo"},
-    {"cuda_ipc", c10::kCUDA, EngineKind::Ring, "cuda_ipc"},
+    {"cuda_ipc", c10::kCUDA, EngineKind::Fused, "cuda_ipc"},
     {"nccl", c10::kCUDA, EngineKind::Nccl, "nccl"},
     {"nccl_ring", c10::kCUDA, EngineKind::Ring, "nccl"},
-    {"auto", c10::kCUDA, EngineKind::Ring, "cuda_ipc"},
+    {"auto", c10::kCUDA, EngineKind::Fused, "cuda_ipc"},
     {"auto", c10::kCUDA, EngineKind::Nccl, "nccl"},
 };
 
 bool served(const Candidate& c) {
-  if (c.engine == EngineKind::Hierarchical) return true;  // shm and torch's gloo
+  // shm and torch's gloo
+  if (c.engine == EngineKind::Hierarchical) return true;
+  if (c.engine == EngineKind::Fused) {
+#ifdef PYDDP_WITH_CUDA
+    return true;
+#else
+    return c.device == c10::kCPU;  // the emulated grid
+#endif
+  }
   const auto names = transportNames();
   return std::find(names.begin(), names.end(), c.transport) != names.end();
 }
@@ -51,6 +72,7 @@ std::string describe(const Candidate& c) {
   switch (c.engine) {
     case EngineKind::Nccl: return "NCCL's collectives";
     case EngineKind::Hierarchical: return "shm inside each host and gloo between hosts";
+    case EngineKind::Fused: return std::string("pyddp's fused collectives over ") + c.transport;
     case EngineKind::Ring: break;
   }
   return std::string("pyddp's ring over ") + c.transport;
@@ -79,6 +101,22 @@ c10::intrusive_ptr<Engine> make(const Candidate& c,
   if (c.engine == EngineKind::Hierarchical) {
     return c10::make_intrusive<HierarchicalEngine>(store, rank, size, options, hosts, gloo);
   }
+  if (c.engine == EngineKind::Fused && device.is_cpu()) {
+    // The emulated grid's geometry: a few channels, and chunks of the
+    // options' slots, so that tests reach many rounds with small tensors.
+    const device::Geometry geometry{kEmulatedChannels,
+                                    roundUp(options.slotBytes, device::kLineBytes)};
+    return c10::make_intrusive<FusedEngine>(
+        store, rank, size, options, device,
+        std::make_unique<EmulatedMemory>(rank, size, geometry));
+  }
+#ifdef PYDDP_WITH_CUDA
+  if (c.engine == EngineKind::Fused) {
+    return c10::make_intrusive<FusedEngine>(
+        store, rank, size, options, device,
+        std::make_unique<CudaIpcMemory>(rank, size, kGpuGeometry, device.index()));
+  }
+#endif
 #ifdef PYDDP_WITH_CUDA
   return c10::make_intrusive<NcclEngine>(store, rank, size,
                                          std::chrono::milliseconds(options.timeoutMs), device);
@@ -144,8 +182,12 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
   for (const Candidate* c : candidates) {
     const bool last = c == candidates.back();
     std::string why = device.is_cpu() ? whyNotHere(*c, hosts, gloo) : "";
-    if (why.empty() && c->engine != EngineKind::Hierarchical) {
+    if (why.empty() && c->engine != EngineKind::Hierarchical && c->engine != EngineKind::Fused) {
       why = whyNotTransport(c->transport, args);
+    }
+    if (why.empty() && c->engine == EngineKind::Fused && size > device::kMaxRanks) {
+      why = std::string(c->transport) + " serves at most " + std::to_string(device::kMaxRanks) +
+          " ranks, not " + std::to_string(size);
     }
     if (!why.empty()) {
       PYDDP_CHECK_VALUE(!last, "rank ", rank, ": backend '", backend, "': ", why,
@@ -157,7 +199,10 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
       continue;
     }
     const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-        std::string(c->engine == EngineKind::Nccl ? "nccl" : "ring") + "-" + c->transport,
+        std::string(c->engine == EngineKind::Nccl    ? "nccl"
+                    : c->engine == EngineKind::Fused ? "fused"
+                                                     : "ring") +
+            "-" + c->transport,
         store);
     try {
       choice.engine = make(*c, prefixed, rank, size, options, device, hosts, gloo);

@@ -123,22 +123,6 @@ RingEngine::~RingEngine() {
 
 void RingEngine::shutDown() {
   if (p2p_) p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : ""));
-#ifdef PYDDP_WITH_CUDA
-  if (deviceExec_ && transport_ && transport_->peerMemory()) {
-    // Peers read this rank's device memory: collectives already queued
-    // complete (as a destroy after dist.all_reduce(t) expects), then every
-    // rank meets every other before the memory is freed. On failure the
-    // abort that follows ends what is left.
-    deviceExec_->retire([this](const CollectiveDesc& desc, Deadline deadline) {
-      try {
-        transport_->enter(desc, deadline);
-      } catch (const std::exception&) {
-        // A peer that never comes (it failed, or was destroyed without its
-        // collectives) is the abort path's to handle.
-      }
-    });
-  }
-#endif
   executor_->shutdown();
   if (transport_) transport_->abort();
   // Nothing drives the links any more: what they left in /dev/shm goes

@@ -139,7 +139,7 @@ PYDDP_UNROLL
   }
 
   template <typename Fn>
-  void forEachOperand(Fn&& fn) const {
+  PYDDP_HD void forEachOperand(Fn&& fn) const {
     fn(dst, sizeof(A));
     fn(src, sizeof(T));
   }
@@ -166,7 +166,7 @@ PYDDP_UNROLL
   }
 
   template <typename Fn>
-  void forEachOperand(Fn&& fn) const {
+  PYDDP_HD void forEachOperand(Fn&& fn) const {
     fn(dst, sizeof(A));
     fn(partial, sizeof(A));
     fn(local, sizeof(T));
@@ -197,7 +197,7 @@ PYDDP_UNROLL
   }
 
   template <typename Fn>
-  void forEachOperand(Fn&& fn) const {
+  PYDDP_HD void forEachOperand(Fn&& fn) const {
     fn(dst, sizeof(T));
     if (dst2 != nullptr) fn(dst2, sizeof(T));
     fn(partial, sizeof(A));
@@ -235,7 +235,7 @@ PYDDP_UNROLL
   }
 
   template <typename Fn>
-  void forEachOperand(Fn&& fn) const {
+  PYDDP_HD void forEachOperand(Fn&& fn) const {
     fn(dst, sizeof(T));
     for (int k = 0; k < nsrc; ++k) fn(src[k], sizeof(T));
   }
@@ -258,12 +258,38 @@ struct Copy {
   }
 
   template <typename Fn>
-  void forEachOperand(Fn&& fn) const {
+  PYDDP_HD void forEachOperand(Fn&& fn) const {
     fn(dst, sizeof(U));
     if (dst2 != nullptr) fn(dst2, sizeof(U));
     fn(src, sizeof(U));
   }
 };
+
+// The split for body f over count elements, its operands aligned to their
+// elements. Operands are walked in lockstep, so one head must align them
+// all: the narrowest operand (the elements, kWidth of which make 16 bytes)
+// fixes the only head below kWidth that puts it on a 16-byte boundary, and
+// the vector path is taken when every other operand is 16-byte aligned at
+// that element too.
+template <typename F>
+PYDDP_HD inline Split alignedSplit(const F& f, size_t count) {
+  size_t narrowest = ~size_t{0};
+  uintptr_t narrowestAddr = 0;
+  f.forEachOperand([&](const void* p, size_t size) {
+    if (size < narrowest) {
+      narrowest = size;
+      narrowestAddr = reinterpret_cast<uintptr_t>(p);
+    }
+  });
+  const size_t head = (kVecBytes - narrowestAddr % kVecBytes) % kVecBytes / narrowest;
+  bool aligned = true;
+  f.forEachOperand([&](const void* p, size_t size) {
+    aligned = aligned && (reinterpret_cast<uintptr_t>(p) + head * size) % kVecBytes == 0;
+  });
+  if (!aligned || head >= count) return Split{};
+  const size_t packs = (count - head) / F::kWidth;
+  return packs == 0 ? Split{} : Split{head, packs};
+}
 
 // One thread's share of a launch: its grid-stride packs, then its
 // grid-stride scalar elements of the head and the tail.

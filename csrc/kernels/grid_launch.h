@@ -17,32 +17,15 @@ namespace pyddp {
 namespace kernels {
 namespace grid {
 
-// The split for body f over count elements. Operands are walked in
-// lockstep, so one head must align them all: the narrowest operand (the
-// elements, kWidth of which make 16 bytes) fixes the only head below kWidth
-// that puts it on a 16-byte boundary, and the vector path is taken when
-// every other operand is 16-byte aligned at that element too.
+// The split for body f over count elements (elementwise.h's alignedSplit),
+// once every operand is checked to be aligned to its elements.
 template <typename F>
 Split planSplit(const F& f, size_t count) {
-  size_t narrowest = SIZE_MAX;
-  uintptr_t narrowestAddr = 0;
   f.forEachOperand([&](const void* p, size_t size) {
-    const auto a = reinterpret_cast<uintptr_t>(p);
-    PYDDP_CHECK(a % size == 0, "kernel operand ", p, " is not aligned to its ", size,
-                "-byte elements");
-    if (size < narrowest) {
-      narrowest = size;
-      narrowestAddr = a;
-    }
+    PYDDP_CHECK(reinterpret_cast<uintptr_t>(p) % size == 0, "kernel operand ", p,
+                " is not aligned to its ", size, "-byte elements");
   });
-  const size_t head = (kVecBytes - narrowestAddr % kVecBytes) % kVecBytes / narrowest;
-  bool aligned = true;
-  f.forEachOperand([&](const void* p, size_t size) {
-    aligned = aligned && (reinterpret_cast<uintptr_t>(p) + head * size) % kVecBytes == 0;
-  });
-  if (!aligned || head >= count) return Split{};
-  const size_t packs = (count - head) / F::kWidth;
-  return packs == 0 ? Split{} : Split{head, packs};
+  return alignedSplit(f, count);
 }
 
 template <typename F, typename Launch>

@@ -9,6 +9,7 @@
 #include <torch/python.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "algorithms/schedule.h"
 #include "backend/cma_chooser.h"
@@ -20,7 +21,7 @@
 #include "kernels/emulate.h"
 #include "kernels/half_cpu.h"
 #include "testing/sendrecv_sim.h"
-#include "transport/cuda_ipc_protocol.h"
+#include "device/programs.h"
 #include "transport/shm.h"
 #include "transport/shm_segment.h"
 #include "transport/slot_stores.h"
@@ -293,15 +294,34 @@ void bindTesting(py::module_& m) {
     return std::make_pair(pairwise, mismatch(all[rank], reduced, rank));
   });
 
-  // The cuda_ipc wait decision, exactly as its kernels make it: None to
-  // keep waiting, else (error code, rank to blame), code 0 for satisfied.
-  t.def("ipc_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
-                               int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
-                               int32_t peer) -> std::optional<std::pair<int, int>> {
+  // The fused collectives' wait decision, exactly as their channel programs
+  // make it: None to keep waiting, else (error code, rank to blame), code 0
+  // for satisfied.
+  t.def("fused_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
+                                 int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
+                                 int32_t peer) -> std::optional<std::pair<int, int>> {
     const int64_t v =
-        ipc::waitVerdict(flag, target, peerFailed, abortWord, elapsedNs, timeoutNs, peer);
+        device::waitVerdict(flag, target, peerFailed, abortWord, elapsedNs, timeoutNs, peer);
     if (v < 0) return std::nullopt;
-    return std::make_pair(static_cast<int>(ipc::errorCode(v)), v ? ipc::errorRank(v) : -1);
+    return std::make_pair(static_cast<int>(device::errorCode(v)), v ? device::errorRank(v) : -1);
+  });
+  // A fused collective's plan per channel (device/programs.h), as the
+  // programs and the host both compute it: by channel, (first element,
+  // elements, elements per round, rounds, barriers).
+  t.def("fused_plan", [](int protocol, uint64_t count, int size, int channels,
+                         size_t chunkBytes, size_t elementBytes) {
+    device::FusedArgs a{};
+    a.protocol = static_cast<device::Protocol>(protocol);
+    a.size = size;
+    a.channels = channels;
+    a.count = count;
+    a.geometry = device::Geometry{channels, chunkBytes};
+    std::vector<std::tuple<size_t, size_t, size_t, uint64_t, uint64_t>> plans;
+    for (int c = 0; c < channels; ++c) {
+      const device::ChannelPlan p = device::planChannel(a, c, elementBytes);
+      plans.emplace_back(p.first, p.elements, p.roundElements, p.rounds, p.barriers);
+    }
+    return plans;
   });
   t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
     auto out = at::empty_like(srcs.at(0));

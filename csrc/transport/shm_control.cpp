@@ -207,15 +207,26 @@ bool ControlPlane::giveUp(const std::string& why, bool onNext) {
   return true;
 }
 
-void ControlPlane::enter(const CollectiveDesc& desc, Deadline deadline) {
-  current_ = desc;
-  deadline_ = deadline.at;
-  timeoutMs_ = deadline.timeout.count();
+void ControlPlane::publish(const CollectiveDesc& desc) {
   const int slot = static_cast<int>(desc.seq % kDescriptorRing);
   ControlHeader& h = own();
   h.desc[slot].desc = desc;
   h.desc[slot].published.store(desc.seq, std::memory_order_release);
   h.arrived.value.store(desc.seq, std::memory_order_release);
+}
+
+std::string ControlPlane::differs(const CollectiveDesc& mine, int peer) const {
+  const DescriptorSlot& theirs = header(peer).desc[mine.seq % kDescriptorRing];
+  if (theirs.published.load(std::memory_order_acquire) != mine.seq) return "";
+  return mismatch(mine, rank_, theirs.desc, peer);
+}
+
+void ControlPlane::enter(const CollectiveDesc& desc, Deadline deadline) {
+  current_ = desc;
+  deadline_ = deadline.at;
+  timeoutMs_ = deadline.timeout.count();
+  const int slot = static_cast<int>(desc.seq % kDescriptorRing);
+  publish(desc);
   // Every rank compares every peer's descriptor, so a mismatch fails on all
   // ranks.
   for (int k = 0; k < worldSize_; ++k) {

@@ -160,6 +160,13 @@ class ControlPlane {
   // rank called the same, or when a rank gives up, dies or does not come
   // by `deadline`.
   void enter(const CollectiveDesc& desc, Deadline deadline);
+  // Publishes this rank's descriptor of collective `desc` without waiting
+  // for the peers (the fused collectives agree on the device, and read the
+  // descriptors here only to say how ranks differed).
+  void publish(const CollectiveDesc& desc);
+  // How this rank's `mine` differs from what rank `peer` published for the
+  // same collective; "" if the same or not published (yet).
+  std::string differs(const CollectiveDesc& mine, int peer) const;
   // Blocks until ready() holds; `peer` is the rank whose progress it needs.
   // `spinPhase`: spinPhase() to wait for a peer to arrive, a shorter one
   // for a peer inside the same collective.

@@ -236,13 +236,15 @@ inline std::string teardownReason(int rank, const std::string& dead) {
 // unreceived messages and no user tag can reach a collective's message.
 enum class Lane { User, Collectives };
 
-// A transport connects this rank to all others in two phases: setup()
-// returns a small blob that the engine all-gathers through the store,
-// connect() maps or opens what the blobs name, and connected() (after every
-// rank has connected) releases what bootstrap needed.
-class Transport {
+// What connects this rank to all others in two phases (backend/bootstrap.h):
+// setup() returns a small blob that the engine all-gathers through the
+// store, connect() maps or opens what the blobs name, and connected()
+// (after every rank has connected) releases what bootstrap needed. A
+// transport, or the shared memory of the fused collectives
+// (fused_memory.h).
+class Connectable {
  public:
-  virtual ~Transport() = default;
+  virtual ~Connectable() = default;
   virtual const char* name() const = 0;
 
   // Names what setup() will create that outlives this process if it dies
@@ -259,7 +261,12 @@ class Transport {
   virtual std::string whyNotConnect(int peer, const std::string& blob) const = 0;
   virtual void connect(const std::vector<std::string>& blobs) = 0;
   virtual void connected() = 0;
+};
 
+// How bytes move between the ranks of a group, without knowing which
+// collective moves them: a Connectable with the verbs of the algorithms.
+class Transport : public Connectable {
+ public:
   // Start a collective: publish this rank's descriptor, wait until every
   // rank has entered the same collective (deadline bounds the wait) and
   // check all descriptors agree. Every later wait of the collective is

@@ -436,24 +436,28 @@ class PyddpRegisteredPeer(PyddpShmPeer):
         self.detail += "; buffers in registered memory"
 
 
-class PyddpIpcRingPeer(_PyddpPeer):
-    """pyddp over CUDA IPC, ring algorithm."""
+class PyddpIpcPeer(_PyddpPeer):
+    """pyddp's fused collectives over CUDA IPC (one kernel per collective), the protocol
+    chosen by size."""
 
-    name = "pyddp_ipc_ring"
+    name = "pyddp_ipc"
     _transport = "cuda_ipc"
-    _algo = "ring"
     _cuda = True
     _messages = False
 
 
-class PyddpIpcDirectPeer(_PyddpPeer):
-    """pyddp over CUDA IPC, direct (one-shot) algorithm."""
+class PyddpIpcOneShotPeer(PyddpIpcPeer):
+    """pyddp's fused collectives over CUDA IPC, all-reduce one-shot at every size."""
 
-    name = "pyddp_ipc_direct"
-    _transport = "cuda_ipc"
+    name = "pyddp_ipc_one_shot"
     _algo = "direct"
-    _cuda = True
-    _messages = False
+
+
+class PyddpIpcTwoShotPeer(PyddpIpcPeer):
+    """pyddp's fused collectives over CUDA IPC, all-reduce two-shot at every size."""
+
+    name = "pyddp_ipc_two_shot"
+    _algo = "two_shot"
 
 
 class PyddpNcclPeer(_PyddpPeer):
@@ -920,7 +924,7 @@ class SymmMemTwoShotPeer(_SymmMemPeer):
 PEERS: dict[str, type] = {
     cls.name: cls for cls in (
         PyddpShmPeer, PyddpRegisteredPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
-        TorchNcclPeer, PyddpIpcRingPeer, PyddpIpcDirectPeer, PyddpNcclPeer,
+        TorchNcclPeer, PyddpIpcPeer, PyddpIpcOneShotPeer, PyddpIpcTwoShotPeer, PyddpNcclPeer,
         PyddpNcclRingPeer, GlooCudaPeer, SymmMemOneShotPeer, SymmMemTwoShotPeer, LimitCudaPeer)
 }
 """Every peer the tool knows, CPU ones first, in table order."""

@@ -96,7 +96,7 @@ MIN_ACCURACY=90
 # The GPU tests of the pass without MPS: those whose ranks wait for each other on the GPU.
 NOMPS_TESTS="bitwise_identical or stream_semantics or barrier_meets"
 MPS_PATTERN='(^|/)nvidia-cuda-mps-control( |$)'
-SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc_ring,pyddp_ipc_direct,pyddp_nccl,pyddp_nccl_ring
+SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc,pyddp_ipc_two_shot,pyddp_ipc_one_shot,pyddp_nccl,pyddp_nccl_ring
 SWEEP_PEERS+=,symm_mem_one_shot,symm_mem_two_shot,limit_cuda
 
 # --- pieces that read logs (pure: tests/test_gpu_check.py runs them) ----------------------
@@ -166,7 +166,7 @@ judge_sweep() {
 
 judge_main_sweep() { judge_sweep "$1" "$2" gloo_cuda limit_cuda; }
 
-judge_nomps_sweep() { judge_sweep "$1" "$2" pyddp_ipc_ring pyddp_ipc_direct; }
+judge_nomps_sweep() { judge_sweep "$1" "$2" pyddp_ipc_two_shot pyddp_ipc_one_shot; }
 
 # judge_train LOG RC GPUS RANKS: ok when train.py exited 0, reached MIN_ACCURACY and, where
 # the ranks outnumber the GPUs, said that RANKS ranks share the GPUS GPU(s).
@@ -610,7 +610,7 @@ main() {
                         -k "$NOMPS_TESTS" -v -rs -p no:cacheprovider "${nomps_timeout_flag[@]}" \
                         --junitxml "$work/nomps-tests.xml"
                     run_step nomps-sweep 40 judge_nomps_sweep python -m pyddp.bench \
-                        --peers pyddp_ipc_ring,pyddp_ipc_direct --ops all_reduce -b 4K -e 1M \
+                        --peers pyddp_ipc_two_shot,pyddp_ipc_one_shot --ops all_reduce -b 4K -e 1M \
                         -f 16 --trials 1 --target-time 0.05 -w 1 --check --timeout 20 --quiet
                 else
                     record nomps "not run" 0 "the MPS daemon did not stop"

@@ -1,0 +1,345 @@
+#include "backend/fused_engine.h"
+
+#include <ATen/ops/empty.h>
+
+#include <chrono>
+#include <thread>
+
+#include "backend/bootstrap.h"
+#include "backend/cpu_executor.h"
+#include "common/check.h"
+#include "common/interrupt.h"
+#include "device/emulated_grid.h"
+#include "transport/wait_policy.h"
+
+#ifdef PYDDP_WITH_CUDA
+#include "backend/device_executor.h"
+#include "device/fused_kernels.h"
+#endif
+
+namespace pyddp {
+namespace {
+
+using Ms = std::chrono::milliseconds;
+
+// All-reduces of at most this many bytes per rank take the one-shot
+// protocol (every rank reduces the whole tensor: one barrier per round),
+// larger ones two-shot (each reduces its block: two barriers, a 1/n share
+// of the reduction). An initial value from vLLM's and TensorRT-LLM's
+// choices for a few GPUs, not yet measured on pyddp's kernels.
+constexpr size_t kOneShotMaxBytes = 256 * 1024;
+
+// Threads of one channel's team (a thread block) on a GPU: enough 16-byte
+// loads in flight per SM to reach memory bandwidth with a channel per SM.
+// An initial value, not yet measured on pyddp's kernels.
+constexpr int kThreadsPerChannel = 512;
+
+// The digest of a descriptor (every field, the sequence number included),
+// which the channels compare on the device.
+uint64_t digestOf(const CollectiveDesc& d) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const uint64_t v : fieldValues(d)) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return h;
+}
+
+std::function<void()> finishOf(Results& results) {
+  if (results.finish) return std::move(results.finish);
+  return [] {};
+}
+
+} // namespace
+
+FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                         const RingOptions& options, c10::Device device,
+                         std::unique_ptr<FusedMemory> memory)
+    : Engine(rank, size, device, memory->name(), store),
+      options_(options),
+      memory_(std::move(memory)) {
+  options_.validate();
+  PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
+                    " is not in [0, world_size=", size, ")");
+  FusedMemory& mem = *memory_;
+  if (device.is_cpu()) {
+    auto cpu = std::make_unique<CpuExecutor>(rank, options_.timeoutMs);
+    cpuExec_ = cpu.get();
+    executor_ = std::move(cpu);
+  } else {
+#ifdef PYDDP_WITH_CUDA
+    auto dev = std::make_unique<DeviceExecutor>(rank, device, Ms(options_.timeoutMs));
+    deviceExec_ = dev.get();
+    executor_ = std::move(dev);
+#endif
+  }
+  PYDDP_CHECK(executor_ != nullptr, "rank ", rank, ": the fused engine serves ", device,
+              " tensors only in a CUDA build");
+  bootstrap::connect(mem, *store, rank, size, Ms(options_.timeoutMs));
+  if (cpuExec_) {
+    cpuExec_->start(CpuExecutor::Hooks{
+        [] {},
+        [&mem](const std::string& why) {
+          mem.control().giveUp(why, /*onNext=*/false);
+          mem.tellPeers();
+        },
+        [&mem] {
+          mem.control().abort();
+          mem.abort();
+        },
+        [&mem](const std::string& why) {
+          mem.control().giveUp(why, /*onNext=*/true);
+          mem.tellPeers();
+        }});
+    return;
+  }
+#ifdef PYDDP_WITH_CUDA
+  deviceExec_->start(DeviceExecutor::Hooks{
+      nullptr,
+      // Errors the device recorded, and peers whose process exited.
+      [this] {
+        const int64_t word = memory_->error();
+        if (word != 0) return describeError(word, CollectiveDesc{});
+        const std::string dead = memory_->control().deadPeer();
+        return dead.empty() ? dead : "rank " + std::to_string(rank_) + ": " + dead;
+      },
+      [&mem](const std::string& why) {
+        mem.control().giveUp(why, /*onNext=*/false);
+        mem.abort();
+        mem.tellPeers();
+      },
+      [this] {
+        const int64_t word = memory_->error();
+        return word == 0 ? std::string() : describeError(word, CollectiveDesc{});
+      }});
+#endif
+}
+
+FusedEngine::~FusedEngine() {
+  shutDown();
+}
+
+const Executor& FusedEngine::executor() const {
+  return *executor_;
+}
+
+void FusedEngine::shutDown() {
+  if (shutDown_.exchange(true)) return;
+#ifdef PYDDP_WITH_CUDA
+  if (deviceExec_) {
+    // Peers read this rank's device memory: collectives already queued
+    // complete (as a destroy after dist.all_reduce(t) expects), then every
+    // rank meets every other before the memory is freed. On failure the
+    // abort that follows ends what is left.
+    deviceExec_->retire([this](const CollectiveDesc& desc, Deadline deadline) {
+      const device::FusedArgs a =
+          argsFor(desc, device::Protocol::Barrier, nullptr, nullptr, 0, deadline.timeout);
+      memory_->control().publish(desc);
+      advance(a, 1);
+      try {
+        device::launchFused(a, desc.dtype, desc.op, kThreadsPerChannel, deviceExec_->stream(),
+                            rank_);
+        cudaStreamSynchronize(deviceExec_->stream());
+      } catch (const std::exception&) {
+        // A launch that fails leaves the abort path to end what is left.
+      }
+    });
+  }
+#endif
+  executor_->shutdown();
+  memory_->control().abort();
+}
+
+int FusedEngine::channelsFor(size_t bytes) const {
+  const size_t chunk = memory_->geometry().chunkBytes;
+  const size_t wanted = (bytes + chunk - 1) / chunk;
+  const size_t most = static_cast<size_t>(memory_->geometry().channels);
+  return static_cast<int>(wanted < 1 ? 1 : (wanted > most ? most : wanted));
+}
+
+device::FusedArgs FusedEngine::argsFor(const CollectiveDesc& desc, device::Protocol protocol,
+                                       const void* input, void* output, size_t count,
+                                       Ms timeout) {
+  device::FusedArgs a{};
+  a.protocol = protocol;
+  a.rank = rank_;
+  a.size = size_;
+  a.channels = channelsFor(desc.count * elementSize(desc.dtype) *
+                           (protocol == device::Protocol::ReduceScatter ? size_ : 1));
+  a.root = desc.root;
+  a.average = desc.op == RedOp::Avg;
+  a.seq = desc.seq;
+  a.digest = digestOf(desc);
+  a.count = count;
+  a.input = input;
+  a.output = output;
+  for (int r = 0; r < size_; ++r) a.base[r] = memory_->base(r);
+  a.geometry = memory_->geometry();
+  for (int c = 0; c < device::kMaxChannels; ++c) {
+    a.crossed[c] = crossed_[c];
+    a.rounds[c] = rounds_[c];
+  }
+  a.error = memory_->errorWord();
+  a.abort = memory_->abortWord();
+  a.timeoutNs = static_cast<uint64_t>(timeout.count()) * 1000000ull;
+  return a;
+}
+
+void FusedEngine::advance(const device::FusedArgs& a, size_t elementBytes) {
+  const int channels = a.protocol == device::Protocol::Barrier ? 1 : a.channels;
+  for (int c = 0; c < channels; ++c) {
+    const device::ChannelPlan plan = device::planChannel(a, c, elementBytes);
+    crossed_[c] += plan.barriers;
+    rounds_[c] += plan.rounds;
+  }
+}
+
+std::string FusedEngine::describeError(int64_t word, const CollectiveDesc& desc) const {
+  const int peer = device::errorRank(word);
+  const std::string call = desc.seq == 0
+      ? std::string("a collective")
+      : std::string(toString(desc.kind)) + " #" + std::to_string(desc.seq);
+  const shm::ControlPlane& control = memory_->control();
+  switch (device::errorCode(word)) {
+    case device::kTimeout:
+      return c10::str("pyddp: rank ", rank_, ": ", call, " timed out after ",
+                      options_.timeoutMs, " ms waiting for rank ", peer);
+    case device::kPeerFailed: {
+      // Its host writes why as it reports the failure: give it a moment.
+      std::string why = control.peerFailure(peer);
+      for (int i = 0; i < 50 && why.empty(); ++i) {
+        std::this_thread::sleep_for(Ms(2));
+        why = control.peerFailure(peer);
+      }
+      return c10::str("pyddp: rank ", peer, " gave up while rank ", rank_, " waited for it in ",
+                      call, why.empty() ? "" : ": " + why);
+    }
+    case device::kMismatch: {
+      const std::string differs = desc.seq == 0 ? "" : control.differs(desc, peer);
+      return "pyddp: " + (differs.empty() ? c10::str("rank ", peer, " called another collective "
+                                                     "than rank ", rank_, "'s ", call,
+                                                     "; every rank must issue the same "
+                                                     "collectives in the same order")
+                                          : differs);
+    }
+    case device::kAborted:
+      if (!abortedBecause_.empty()) return abortedBecause_;
+      return c10::str("pyddp: rank ", rank_, ": the process group was destroyed while ", call,
+                      " waited for rank ", peer);
+    case device::kOk:
+      break;
+  }
+  return c10::str("pyddp: rank ", rank_, ": ", call, " failed (device error ", word, ")");
+}
+
+void FusedEngine::runOnGrid(const device::FusedArgs& a, const CollectiveDesc& desc) {
+  abortedBecause_.clear();
+  std::atomic<bool> done{false};
+  std::thread runner([&] {
+    device::runEmulated(a, desc.dtype, desc.op);
+    done.store(true, std::memory_order_release);
+  });
+  // As the GPU's monitor: a dead peer or the caller's interrupt ends the
+  // device's waits through the abort word.
+  Backoff backoff;
+  while (!done.load(std::memory_order_acquire)) {
+    if (!backoff.pause() || !abortedBecause_.empty()) continue;
+    const std::string dead = memory_->control().deadPeer();
+    if (!dead.empty()) {
+      abortedBecause_ = c10::str("pyddp: ", dead, "; rank ", rank_, " was waiting for it in ",
+                                 toString(desc.kind), " #", desc.seq);
+    } else if (interruptRequested()) {
+      abortedBecause_ = c10::str("pyddp: rank ", rank_, ": interrupted while ",
+                                 toString(desc.kind), " #", desc.seq, " was running");
+    }
+    if (!abortedBecause_.empty()) memory_->abort();
+  }
+  runner.join();
+  const int64_t word = memory_->error();
+  PYDDP_CHECK_COMM(word == 0, describeError(word, desc));
+}
+
+WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protocol,
+                            const at::Tensor& input, const at::Tensor& output, size_t count,
+                            Results& results, const CallOptions& call) {
+  const size_t elementBytes = elementSize(desc.dtype);
+  const Ms timeout = call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
+  const auto transfer = [this, protocol, input, output, count, elementBytes, timeout](
+                            const CollectiveDesc& d, Deadline) {
+    const device::FusedArgs a = argsFor(d, protocol, input.defined() ? input.data_ptr() : nullptr,
+                                        output.defined() ? output.data_ptr() : nullptr, count,
+                                        timeout);
+    memory_->control().publish(d);
+    // The programs advance the counts whether or not they finish: a launch
+    // that gave up leaves the group failed.
+    advance(a, elementBytes);
+    if (cpuExec_) {
+      runOnGrid(a, d);
+      return;
+    }
+#ifdef PYDDP_WITH_CUDA
+    device::launchFused(a, d.dtype, d.op, kThreadsPerChannel, deviceExec_->stream(), rank_);
+#endif
+  };
+  std::vector<at::Tensor> uses;
+  for (const at::Tensor& t : {input, output}) {
+    if (t.defined()) uses.push_back(t);
+  }
+  return executor_->submit(Collective{desc, results.tensors.vec(), std::move(uses), transfer,
+                                      finishOf(results), desc.kind == CollectiveKind::Barrier,
+                                      call.timeout},
+                           call);
+}
+
+WorkPtr FusedEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
+                                  Results results, const CallOptions& call) {
+  const size_t bytes = desc.count * elementSize(desc.dtype);
+  const bool oneShot = options_.algo == Algo::Direct ||
+      (options_.algo == Algo::Auto && bytes <= kOneShotMaxBytes);
+  return launch(desc,
+                oneShot ? device::Protocol::OneShotAllReduce
+                        : device::Protocol::TwoShotAllReduce,
+                buf, buf, desc.count, results, call);
+}
+
+WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
+                                  const RankBlocks& output, Results results,
+                                  const CallOptions& call) {
+  if (output.whole.defined()) {
+    return launch(desc, device::Protocol::AllGather, input, output.whole, desc.count, results,
+                  call);
+  }
+  // The program writes one buffer; a list's blocks may lie anywhere.
+  const int64_t count = static_cast<int64_t>(desc.count);
+  const at::Tensor whole = at::empty({count * size_}, input.options());
+  Results gathered{results.tensors,
+                   [whole, blocks = output.list.vec(), count, finish = finishOf(results)] {
+                     for (size_t r = 0; r < blocks.size(); ++r) {
+                       blocks[r].view({-1}).copy_(
+                           whole.narrow(0, static_cast<int64_t>(r) * count, count));
+                     }
+                     finish();
+                   }};
+  return launch(desc, device::Protocol::AllGather, input, whole, desc.count, gathered, call);
+}
+
+WorkPtr FusedEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
+                                  Results results, const CallOptions& call) {
+  return launch(desc, device::Protocol::Broadcast, buf, buf, desc.count, results, call);
+}
+
+WorkPtr FusedEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
+                                      const at::Tensor& output, Results results,
+                                      const CallOptions& call) {
+  return launch(desc, device::Protocol::ReduceScatter, input, output, desc.count, results,
+                call);
+}
+
+WorkPtr FusedEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
+  Results none;
+  return launch(desc, device::Protocol::Barrier, at::Tensor(), at::Tensor(), 0, none, call);
+}
+
+} // namespace pyddp

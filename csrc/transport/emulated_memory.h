@@ -1,0 +1,52 @@
+// The fused collectives' memory for the emulated grid (device/
+// emulated_grid.h): each rank's buffer is the data of its control plane's
+// shared-memory segment (shm_control.h), which every peer maps read-only,
+// as a GPU's peers map its exported buffer; the device's words are this
+// process's memory. So the channel programs run between real processes
+// over memory shared as on a GPU, and the CPU test suite exercises their
+// barriers, digests, rounds and failures.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transport/fused_memory.h"
+
+namespace pyddp {
+
+class EmulatedMemory final : public FusedMemory {
+ public:
+  EmulatedMemory(int rank, int worldSize, const device::Geometry& geometry);
+
+  const char* name() const override { return "emulated"; }
+  std::string reserve() override { return control_.reserve(); }
+  std::string setup() override;
+  void reclaim(const std::string& reservation) override {
+    shm::ControlPlane::reclaim(reservation);
+  }
+  std::string whyNotConnect(int peer, const std::string& blob) const override;
+  void connect(const std::vector<std::string>& blobs) override;
+  void connected() override { control_.connected(); }
+
+  char* base(int rank) const override;
+  int64_t* errorWord() const override { return &words_->error; }
+  const int64_t* abortWord() const override { return &words_->abort; }
+  int64_t error() const override;
+  void abort() override;
+  void tellPeers() override;
+
+ private:
+  // The device's words, apart from the buffer (host memory on a GPU too).
+  struct Words {
+    int64_t error = 0;
+    int64_t abort = 0;
+  };
+
+  const int rank_;
+  const int worldSize_;
+  std::unique_ptr<Words> words_;
+};
+
+} // namespace pyddp
