@@ -22,10 +22,10 @@ from collections import Counter
 import pytest
 import torch
 
+from paths import REPO
 from pyddp import _launch, devices
 from pyddp.bench import ddp as bench_ddp
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 REFUSAL_SECONDS = 120
 """Bound on a refused run: the interpreter imports torch and pyddp (seconds, more on a

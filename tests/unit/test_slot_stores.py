@@ -7,7 +7,7 @@ several times cheaper) and must pick what the model says, keep measuring the
 kind it does not use, and follow a change of case. The streaming copy is
 checked byte for byte against the source at every alignment and length that
 its head, body and tail take. The collectives with streaming slot stores run
-in tests/test_collectives.py (group ``streaming``), and with streaming staging
+in tests/collectives/test_collectives.py (group ``streaming``), and with streaming staging
 stores (group ``direct``).
 """
 

@@ -7,7 +7,7 @@ on gloo and on the ``"pyddp"`` backend. A test that passes with gloo must pass
 with pyddp, unless ``DIFFERENCES`` lists it. The tests that torch skips for
 pyddp by the backend's name run a second time with those skips lifted; each
 must pass unless ``LIFTED_FAILURES`` says why not. This module is plain data,
-so that ``tests/test_torch_suite.py`` can check it against torch's file
+so that ``tests/torch_compat/test_torch_suite.py`` can check it against torch's file
 without importing torch's suite.
 """
 

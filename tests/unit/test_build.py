@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import pyddp
+from paths import REPO
 from pyddp import _C
 from pyddp._runtime import LINK_RUNTIME, RUNTIME, own_runtime
 
@@ -55,8 +56,7 @@ def test_nccl_version_is_the_one_torch_loads():
 
 def _setup_py(env: dict, tmp_path) -> subprocess.CompletedProcess:
     """Runs setup.py's build planning only (``--name``) with `env` added."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True,
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, **env}, timeout=120)
 
 

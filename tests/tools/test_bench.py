@@ -23,6 +23,7 @@ import torch
 
 import pyddp
 import pyddp.bench.cli as cli
+from paths import REPO
 from pyddp import _launch
 from pyddp.bench import peers
 from pyddp.bench.across_hosts import (flat_ring_inter_host_bytes, hierarchical_inter_host_bytes,
@@ -34,7 +35,6 @@ from pyddp.bench.report import render, summary
 from pyddp.bench.sizes import format_size, parse_size, size_sweep
 from pyddp.bench.worker import Launch, launched_rank
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "sendrecv")
 ALL_OPS = (*DATA_OPS, "barrier")  # a barrier has no buffer: one point per run, size 0
 DEEPSPEED_SEGMENT = "deepspeed_allreduce_buffer"

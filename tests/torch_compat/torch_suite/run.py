@@ -1,8 +1,8 @@
 """Runs PyTorch's own distributed test suite against pyddp, with gloo as the baseline.
 
-    python tests/torch_suite/run.py                 # the whole class, both backends
-    python tests/torch_suite/run.py -k object       # tests whose name contains "object"
-    python tests/torch_suite/run.py --json out.json
+    python tests/torch_compat/torch_suite/run.py            # the whole class, both backends
+    python tests/torch_compat/torch_suite/run.py -k object  # tests whose name contains "object"
+    python tests/torch_compat/torch_suite/run.py --json out.json
 
 Like torch's ``test/distributed/test_distributed_spawn.py``
 (``TestDistBackendWithSpawn``), it runs every test of
@@ -49,7 +49,7 @@ from typing import Dict, List, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # An installed pyddp comes first; else the source tree's in-place build.
-sys.path.append(os.path.dirname(os.path.dirname(HERE)))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 import selection  # noqa: E402
 
@@ -156,7 +156,7 @@ def classify(test: str, gloo: dict, pyddp: dict) -> Tuple[str, str]:
     if pyddp["outcome"] == "passed":
         if listed:
             return "FAILED", ("passes although it is in DIFFERENCES: delete it there in "
-                              "tests/torch_suite/selection.py")
+                              "tests/torch_compat/torch_suite/selection.py")
         return "passed", ""
     if gloo["outcome"] != "passed":
         return "as gloo", f"gloo {gloo['outcome']} too"
@@ -175,7 +175,7 @@ def classify_lifted(test: str, result: dict) -> Tuple[str, str]:
     if result["outcome"] == "passed":
         if listed:
             return "FAILED", ("passes although it is in LIFTED_FAILURES: delete it there in "
-                              "tests/torch_suite/selection.py")
+                              "tests/torch_compat/torch_suite/selection.py")
         return "passed", ""
     if listed and result["outcome"] == "failed" and listed[1] in result["detail"]:
         return "expected failure", listed[0]

@@ -1,8 +1,8 @@
-"""The driver of torch's distributed suite (tests/torch_suite/): its lists and its verdicts.
+"""The driver of torch's distributed suite (torch_suite/ beside it): its lists and its verdicts.
 
 The lists must name tests that torch's suite has and skip reasons torch
 gives those tests, or the driver would silently expect less than it says.
-The run itself is a CI step (``python tests/torch_suite/run.py``).
+The run itself is a CI step (``python tests/torch_compat/torch_suite/run.py``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import torch
 
 import pyddp
 from harness import RankContext, Ranks
+from paths import SUPPORT
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "launched_script.py")
+SCRIPT = os.path.join(SUPPORT, "launched_script.py")
 LAUNCH_TIMEOUT = 180
 
 

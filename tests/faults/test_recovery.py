@@ -17,8 +17,8 @@ import sys
 import time
 
 from harness import pyddp_segments
+from paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train.py")
 ARGS = ["--epochs", "6", "--checkpoint-every", "10"]
 RUN_SECONDS = 300

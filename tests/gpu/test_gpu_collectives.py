@@ -2,7 +2,7 @@
 
 Two spawned ranks on device 0 (several ranks share the one GPU of this
 project's GPU machines; with several GPUs, rank r takes device r). The
-groups carry the CPU suite's names, so test_collectives' case functions run
+groups carry the CPU suite's names, so its case functions (collective_suite) run
 unchanged with ``ctx.state["device"]`` set:
 
 - ``auto``: backend "auto", default settings (cuda_ipc chosen, or NCCL when
@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from collective_suite import (_all_gather_cases, _all_reduce_cases, _broadcast_cases,
+                              _half_types_accumulate_in_fp32, _random_floats,
+                              _reduce_scatter_cases)
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                        reference, train, unpack)
 from harness import RankContext, Ranks
-from test_collectives import (_all_gather_cases, _all_reduce_cases, _broadcast_cases,
-                              _half_types_accumulate_in_fp32, _random_floats,
-                              _reduce_scatter_cases)
 
 WORLD = 2
 NCCL_MULTI_RANK_GPU_VERSION = (2, 30)

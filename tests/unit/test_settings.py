@@ -17,9 +17,8 @@ import pytest
 import torch.distributed as dist
 
 import pyddp
+from paths import REPO as ROOT
 from pyddp import _C
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Integer variables: (RingOptions field, min, max, step), as the README's settings
 # table documents them.

@@ -5,7 +5,8 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO as ROOT
+
 CHECK = os.path.join(ROOT, ".ci", "check_layers")
 
 

@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 from harness import pyddp_segments
+from paths import REPO, SUPPORT
 
 # Each group is used by one thread, as torch.distributed requires; every kind of wait
 # that a thread can be in when the interpreter exits has its group.
@@ -75,8 +76,7 @@ RUNS = 4  # the abort it guards against struck in about half the exits
 
 
 def _env(host: str) -> dict:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, SUPPORT]))
     if host:
         env["PYDDP_HOSTID"] = host
     return env

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import pyddp  # noqa: F401  (registers the "pyddp" backend)
 from collective_cases import BITWISE_OPS, INT_DTYPES, check_equal, make_input, reference_reduce
 from harness import RankContext, Ranks
+from paths import REPO
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(REPO, "README.md")
 
 
 def _table() -> dict:

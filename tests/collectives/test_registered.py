@@ -51,7 +51,7 @@ def _setup(ctx: RankContext) -> None:
     # Plain tensors are read through the slots here, never through the
     # kernel: where the chooser took the kernel, a collective with some
     # tensors registered would map those and read the others through it
-    # (tests/test_cma.py), and the counts below would follow its choice.
+    # (test_cma.py), and the counts below would follow its choice.
     ctx.groups["auto"] = _group(ctx, "auto", cma=pyddp.CmaReads.NEVER)
     # Forced algorithms run as forced, and a group without staging buffers
     # has no room to say where its tensors lie: neither reads in place.

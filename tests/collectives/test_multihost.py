@@ -1,6 +1,6 @@
 """CPU groups that span hosts: shared memory inside each host, gloo between hosts.
 
-Hosts are simulated honestly (tests/hosts.py): each is its own UTS and mount
+Hosts are simulated honestly (tests/support/hosts.py): each is its own UTS and mount
 namespace with its own hostname and a private /dev/shm, so no shared memory
 passes between them while loopback TCP connects them. Placements: 2 hosts x 2
 ranks (even: the hierarchical layout), the same interleaved (ranks 0, 2 on one
@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import collective_suite as one_host
 import pyddp
-import test_collectives as one_host
 import test_p2p as p2p
 import test_sparse as sparse
 from collective_cases import check_equal

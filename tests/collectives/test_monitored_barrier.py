@@ -2,7 +2,7 @@
 
 On one host pyddp runs gloo's protocol over its own messages
 (csrc/backend/monitored_barrier.h); across hosts it hands the call to gloo
-(tests/test_multihost.py). Reference: the same calls on a gloo group of the
+(test_multihost.py). Reference: the same calls on a gloo group of the
 same ranks in the same run, and the messages torch's own tests expect of gloo
 (test_monitored_barrier_gloo*). torch's Python refuses
 ``torch.distributed.monitored_barrier`` for every backend but gloo; the group's

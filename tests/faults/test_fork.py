@@ -18,6 +18,7 @@ import textwrap
 import pytest
 
 from harness import pyddp_segments
+from paths import REPO, SUPPORT
 
 # Every rank runs the scenarios in order; after each one, rank 0 (the only one that
 # forks) checks its child's exit code, and every rank runs an all_reduce on the group
@@ -94,8 +95,7 @@ FORK_SCRIPT = textwrap.dedent("""
 
 
 def _env() -> dict:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, SUPPORT]))
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"world{n}")
