@@ -152,3 +152,35 @@ def test_host_id_is_any_text(env):
             assert text in group.layout()
         finally:
             pyddp.destroy_process_group(group)
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PYDDP_SLOT_BYTES", "4096")
+    monkeypatch.setenv("PYDDP_NUM_SLOTS", "3")
+    monkeypatch.setenv("PYDDP_DIRECT_MAX_BYTES", "0")
+    monkeypatch.setenv("PYDDP_ALGO", "ring")
+    monkeypatch.setenv("PYDDP_SLOT_STORES", "streaming")
+    options = pyddp.RingOptions()
+    assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo,
+            options.slot_stores) == (4096, 3, 0, pyddp.Algo.RING, pyddp.SlotStores.STREAMING)
+    pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert pg.options.slot_bytes == 4096 and pg.options.algo == pyddp.Algo.RING
+        assert pg.options.slot_stores == pyddp.SlotStores.STREAMING
+    finally:
+        pg.shutdown()
+    assert pyddp._C.settings()["PYDDP_ALGO"] == "ring"
+    assert pyddp._C.settings()["PYDDP_SLOT_STORES"] == "streaming"
+    for text, kind in (("cached", pyddp.SlotStores.CACHED), ("auto", pyddp.SlotStores.AUTO)):
+        monkeypatch.setenv("PYDDP_SLOT_STORES", text)
+        assert pyddp.RingOptions().slot_stores == kind
+    monkeypatch.delenv("PYDDP_SLOT_STORES")
+    assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
+    options = pyddp.RingOptions()
+    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.AUTO, 64 * 1024)
+    monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", "1048576")
+    monkeypatch.setenv("PYDDP_CMA", "never")
+    options = pyddp.RingOptions()
+    assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.NEVER, 1 << 20)
+    monkeypatch.setenv("PYDDP_CMA", "always")
+    assert pyddp.RingOptions().cma == pyddp.CmaReads.ALWAYS
