@@ -21,6 +21,8 @@ import pyddp
 from collective_cases import check_equal
 from harness import RankContext, Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = datetime.timedelta(seconds=60)
 # Engine kinds: how many simulated hosts the ranks spread over (1: the shm engine).
 HOSTS = {"one-host": 1, "hosts": 2}

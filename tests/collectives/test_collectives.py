@@ -312,35 +312,42 @@ def _agrees_with_gloo(ctx: RankContext) -> None:
 # --- tests ------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming", "cma"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     ranks.run(_reduce_scatter_cases, group)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", GROUPS)
 def test_bitwise_ops_on_every_integer_type(ranks, group):
     ranks.run(_bitwise_cases, group)
 
 
+@pytest.mark.multiprocess
 def test_bitwise_ops_refuse_floating_tensors(ranks):
     ranks.run(_bitwise_ops_refuse_floating_tensors)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", ["auto", "ring", "direct", "streaming", "cma"])
 def test_all_gather_every_dtype(ranks, group):
     ranks.run(_all_gather_cases, group)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", ["auto", "ring", "streaming", "cma"])
 def test_broadcast_every_dtype_and_root(ranks, group):
     ranks.run(_broadcast_cases, group)
 
 
+@pytest.mark.multiprocess
 def test_aliases_and_default_group_functions(ranks):
     ranks.run(_aliases_and_module_functions)
 
@@ -349,51 +356,62 @@ def _transports(ctx: RankContext) -> list:
     return [ctx.groups[name].transports() for name in ("auto", "ring")]
 
 
+@pytest.mark.multiprocess
 def test_cpu_tensors_travel_over_shm_in_auto_and_shm_groups(ranks):
     assert ranks.run(_transports) == [[{"cpu": "shm"}, {"cpu": "shm"}]] * ranks.world_size
 
 
+@pytest.mark.multiprocess
 def test_non_contiguous_tensors(ranks):
     ranks.run(_non_contiguous)
 
 
+@pytest.mark.multiprocess
 def test_async_work_and_futures(ranks):
     ranks.run(_async_work)
 
 
+@pytest.mark.multiprocess
 def test_queued_calls_keep_tensors_only_they_hold(ranks):
     ranks.run(_queued_calls_own_their_tensors)
 
 
+@pytest.mark.multiprocess
 def test_future_is_ready_when_wait_returns(ranks):
     ranks.run(_future_ready_after_wait)
 
 
+@pytest.mark.multiprocess
 def test_synchronous_collective_inside_a_future_callback(ranks):
     ranks.run(_collective_inside_callback)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_half_types_accumulate_in_fp32_on_every_path(ranks, group):
     ranks.run(_half_types_accumulate_in_fp32, group)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group", GROUPS + ("cma",))
 def test_results_are_bitwise_identical_across_ranks(ranks, group):
     digests = ranks.run(_random_floats, group)
     assert all(d == digests[0] for d in digests)
 
 
+@pytest.mark.multiprocess
 def test_segments_are_unlinked_once_every_rank_connected(ranks):
     assert ranks.run(_no_segment_in_dev_shm) == [[]] * ranks.world_size
 
 
+@pytest.mark.multiprocess
 def test_barrier_waits_for_every_rank(ranks):
     times = ranks.run(_barrier_orders)
     last_entry = max(entered for entered, _ in times)
     assert all(left >= last_entry for _, left in times), times
 
 
+@pytest.mark.multiprocess
 def test_agrees_with_torch_gloo(ranks):
     ranks.run(_agrees_with_gloo)
 

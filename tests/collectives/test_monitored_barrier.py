@@ -23,6 +23,8 @@ import pyddp
 from collective_cases import check_equal
 from harness import Died, RankContext, Ranks, raises
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = datetime.timedelta(seconds=60)
 SHORT = datetime.timedelta(seconds=1)
 WORLD = 3

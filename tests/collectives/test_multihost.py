@@ -37,7 +37,8 @@ from hosts import HostRanks
 from pyddp import _launch
 
 SKIP = _launch.simulated_hosts_unavailable()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"simulated hosts: {SKIP}")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(SKIP is not None, reason=f"simulated hosts: {SKIP}")]
 
 TIMEOUT = datetime.timedelta(seconds=60)
 GROUP = "multihost"

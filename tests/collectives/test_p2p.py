@@ -30,6 +30,8 @@ from collective_cases import (DTYPES, ReduceOp, check_equal, dtype_op_pairs, mak
                               reference_reduce)
 from harness import Died, RankContext, Ranks, pyddp_segments
 
+pytestmark = pytest.mark.multiprocess
+
 COUNTS = [0, 1, 3, 1001]
 BIG = 16 * 1024 * 1024  # float32 elements: 64 MiB
 

@@ -34,6 +34,8 @@ from hypothesis import strategies as st
 import pyddp
 from harness import RankContext, Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD = 3
 ReduceOp = pyddp.ReduceOp
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]

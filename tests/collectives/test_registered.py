@@ -112,6 +112,7 @@ def _all_reduce(ctx, dtype, op, registered_on, count=None, group_name="auto"):
     return first, maps_made() - before - first
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype,op", [(torch.float32, ReduceOp.SUM),
                                       (torch.float64, ReduceOp.AVG),
                                       (torch.bfloat16, ReduceOp.SUM),
@@ -127,11 +128,13 @@ def test_all_reduce_reads_registered_tensors_in_place(ranks, dtype, op):
     assert results == [(ranks.world_size - 1, 0)] * ranks.world_size
 
 
+@pytest.mark.multiprocess
 def test_all_reduce_with_some_tensors_not_registered_takes_the_staged_path(ranks):
     results = ranks.run(_all_reduce, torch.float32, ReduceOp.SUM, [0])
     assert results == [(0, 0)] * ranks.world_size
 
 
+@pytest.mark.multiprocess
 def test_sizes_outside_the_window_take_the_staged_path(ranks):
     n, everyone = ranks.world_size, range(ranks.world_size)
     # 400 KB: below all_reduce's 512 KiB, above the others' 64 KiB
@@ -167,6 +170,7 @@ def _all_gather(ctx, registered_on, form):
     return maps_made() - before
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("form", ["single", "list", "in_place"])
 def test_all_gather_reads_registered_inputs(ranks, form):
     n = ranks.world_size
@@ -193,6 +197,7 @@ def _reduce_scatter(ctx, registered_on, out_at=None, count=COUNT):
     return maps_made() - before
 
 
+@pytest.mark.multiprocess
 def test_reduce_scatter_reads_registered_inputs(ranks):
     n = ranks.world_size
     assert ranks.run(_reduce_scatter, range(n)) == [n - 1] * n
@@ -210,6 +215,7 @@ def _reduce_scatter_into_block_zero(ctx):
     return _reduce_scatter(ctx, range(ctx.world_size), 0)
 
 
+@pytest.mark.multiprocess
 def test_an_output_that_overlaps_a_peers_input_block_is_not_written_in_place(ranks):
     # Block 0 of each rank's input is what rank 0 reads from it.
     assert ranks.run(_reduce_scatter_into_block_zero) == [0] * ranks.world_size
@@ -229,6 +235,7 @@ def _broadcast(ctx, root, registered_on, count=COUNT, group_name="auto"):
     return maps_made() - before
 
 
+@pytest.mark.multiprocess
 def test_broadcast_reads_the_registered_root(ranks):
     n = ranks.world_size
     for root in range(n):
@@ -239,6 +246,7 @@ def test_broadcast_reads_the_registered_root(ranks):
         assert ranks.run(_broadcast, root, range(n)) == [0 if r == root else 1 for r in range(n)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("group_name", ["ring", "no_staging"])
 def test_groups_that_cannot_or_must_not_read_in_place_run_as_before(ranks, group_name):
     n, everyone = ranks.world_size, range(ranks.world_size)
@@ -259,6 +267,7 @@ def _all_gather_from_block_zero(ctx):
     return maps_made() - before
 
 
+@pytest.mark.multiprocess
 def test_an_input_that_overlaps_a_peers_output_block_is_not_read_in_place(ranks):
     assert ranks.run(_all_gather_from_block_zero) == [0] * ranks.world_size
 
@@ -275,6 +284,7 @@ def _disagree(ctx):
         pyddp.destroy_process_group(group)
 
 
+@pytest.mark.multiprocess
 def test_ranks_that_would_choose_differently_fail_naming_it(ranks):
     ranks.run(_disagree)
 
@@ -292,6 +302,7 @@ def _fresh_tensors(ctx, rounds):
     return maps_made() - before
 
 
+@pytest.mark.multiprocess
 def test_fresh_tensors_every_call_are_each_mapped_and_the_oldest_unmapped(ranks):
     # More tensors than a peer keeps mapped: each is new to the peers, and
     # pushing out the oldest mapping never touches one still read.
@@ -344,6 +355,7 @@ def _one_rank_closed(ctx):
     return said, maps
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0, reason="making ranks of another user needs root")
 def test_a_rank_that_cannot_map_a_peers_memory_makes_the_group_read_through_staging():
     pool = Ranks(2, setup=_as_nobody_rank_1_closed)
@@ -364,6 +376,7 @@ def _says(ctx):
         ctx.groups["no_staging"]._cpu_engine.registered_refusal
 
 
+@pytest.mark.multiprocess
 def test_the_groups_say_why_they_do_not_read_in_place(ranks):
     for auto, ring, no_staging in ranks.run(_says):
         assert auto == ""

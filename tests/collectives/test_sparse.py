@@ -28,6 +28,8 @@ from torch import nn
 import pyddp
 from harness import RankContext, Ranks, raises
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = datetime.timedelta(seconds=60)
 
 

@@ -158,6 +158,7 @@ def _drop_a_running_work(ctx: RankContext) -> list:
     return t.tolist()
 
 
+@pytest.mark.multiprocess
 def test_a_work_its_caller_dropped_goes_on_the_worker():
     """The caller asks for a Work's future and drops the Work while the collective
     runs: the Work is deleted on the worker, after the caller's accesses (which
@@ -170,6 +171,7 @@ def test_a_work_its_caller_dropped_goes_on_the_worker():
     assert results == [[3.0] * 4] * 2
 
 
+@pytest.mark.multiprocess
 def test_shutdown_ends_a_wait_on_the_worker():
     pool = Ranks(2)
     try:

@@ -325,6 +325,7 @@ CASES = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_matches_single_process_and_torch_ddp(ranks, name):
     case = CASES[name]
@@ -344,6 +345,7 @@ def test_training_matches_single_process_and_torch_ddp(ranks, name):
                            ours[0][0]["params"]["unused.weight"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 def test_no_sync_backward_does_not_communicate(ranks, as_view):
     got = [unpack(r) for r in ranks.run(_no_sync_keeps_gradients_local, as_view)]
@@ -357,6 +359,7 @@ def test_no_sync_backward_does_not_communicate(ranks, as_view):
                                        msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+@pytest.mark.multiprocess
 def test_buffers_are_broadcast_before_each_forward_as_torch_does(ranks):
     n = ranks.world_size
     for broadcast in (True, False):
@@ -376,6 +379,7 @@ def test_buffers_are_broadcast_before_each_forward_as_torch_does(ranks):
         assert not torch.equal(got[0][0][1]["bn.running_mean"], got[1][0][1]["bn.running_mean"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("hook_name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_compression_hooks_average_in_half_precision(ranks, hook_name, dtype):
     n = ranks.world_size
@@ -399,6 +403,7 @@ def test_compression_hooks_average_in_half_precision(ranks, hook_name, dtype):
             torch.testing.assert_close(grad, exact, rtol=4 * ulp, atol=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_allreduce_hook_averages_like_no_hook(ranks):
     expected = reference(Case(steps=1), ranks.world_size)[1]["grads"]
     for grads in (unpack(r) for r in ranks.run(_grads_with_hook, "avg")):
@@ -406,6 +411,7 @@ def test_allreduce_hook_averages_like_no_hook(ranks):
             torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.multiprocess
 def test_custom_comm_hook_gets_torchs_bucket_api(ranks):
     n = ranks.world_size
     got = [unpack(r) for r in ranks.run(_custom_hook)]
@@ -423,10 +429,12 @@ def test_custom_comm_hook_gets_torchs_bucket_api(ranks):
     assert got[0][0] == got[-1][0]
 
 
+@pytest.mark.multiprocess
 def test_gradients_are_bucket_views_only_when_asked(ranks):
     ranks.run(_bucket_view_storage)
 
 
+@pytest.mark.multiprocess
 def test_unused_parameters_without_the_flag_are_named_in_the_same_backward(ranks):
     for messages in ranks.run(_unused_without_flag):
         for m in messages:
@@ -435,10 +443,12 @@ def test_unused_parameters_without_the_flag_are_named_in_the_same_backward(ranks
             assert "find_unused_parameters=True" in m, m
 
 
+@pytest.mark.multiprocess
 def test_gradient_of_a_parameter_no_rank_used_is_left_alone(ranks):
     ranks.run(_unused_keeps_its_own_gradient)
 
 
+@pytest.mark.multiprocess
 def test_mismatched_models_fail_on_every_rank_naming_parameter_and_ranks(ranks):
     n = ranks.world_size
     others = ", ".join(str(r) for r in range(n) if r != 1)
@@ -452,10 +462,12 @@ def test_mismatched_models_fail_on_every_rank_naming_parameter_and_ranks(ranks):
         assert "rank 0: parameter 'fc2.weight': shape [20, 20], float64" in dtype, dtype
 
 
+@pytest.mark.multiprocess
 def test_state_dict_round_trips_with_torch_ddp(ranks):
     ranks.run(_state_dict_round_trip)
 
 
+@pytest.mark.multiprocess
 def test_a_rank_failing_mid_backward_is_named_by_the_others(ranks):
     results = ranks.run(_fail_mid_backward, timeout=60)
     for rank, (message, elapsed, later) in enumerate(results):

@@ -17,6 +17,8 @@ import pyddp
 from collective_cases import check_equal
 from harness import Died, RankContext, Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = datetime.timedelta(seconds=60)
 # Far below TIMEOUT: a receive that failed within it did not wait for the timeout.
 NOTICED_WITHIN_S = 15.0

@@ -20,6 +20,8 @@ import pytest
 from harness import pyddp_segments
 from paths import REPO, SUPPORT
 
+pytestmark = pytest.mark.multiprocess
+
 # Each group is used by one thread, as torch.distributed requires; every kind of wait
 # that a thread can be in when the interpreter exits has its group.
 EXIT_SCRIPT = textwrap.dedent("""

@@ -20,6 +20,8 @@ import pytest
 from harness import pyddp_segments
 from paths import REPO, SUPPORT
 
+pytestmark = pytest.mark.multiprocess
+
 # Every rank runs the scenarios in order; after each one, rank 0 (the only one that
 # forks) checks its child's exit code, and every rank runs an all_reduce on the group
 # the child inherited and checks the sum. Nothing in the script catches SystemExit

@@ -16,8 +16,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from harness import pyddp_segments
 from paths import REPO
+
+pytestmark = pytest.mark.multiprocess
 
 TRAIN = os.path.join(REPO, "examples", "train.py")
 ARGS = ["--epochs", "6", "--checkpoint-every", "10"]

@@ -44,6 +44,7 @@ NCCL_MULTI_RANK_GPU_VERSION = (2, 30)
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.multiprocess,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not pyddp._C.has_cuda, reason="pyddp was built without CUDA"),
 ]

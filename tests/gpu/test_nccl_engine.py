@@ -231,36 +231,42 @@ def _gpu_timeout(ctx: RankContext) -> str:
     return "failed"
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_all_reduce(gpu_ranks):
     gpu_ranks.run(_gpu_all_reduce, timeout=600)
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_reduce_scatter(gpu_ranks):
     gpu_ranks.run(_gpu_reduce_scatter, timeout=600)
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_all_gather(gpu_ranks):
     gpu_ranks.run(_gpu_all_gather, timeout=600)
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_broadcast(gpu_ranks):
     gpu_ranks.run(_gpu_broadcast, timeout=600)
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_stream_semantics(gpu_ranks):
     gpu_ranks.run(_gpu_stream_semantics)
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_bad_arguments(gpu_ranks):
@@ -268,6 +274,7 @@ def test_gpu_bad_arguments(gpu_ranks):
     assert gpu_ranks.run(_gpu_bad_arguments) == [str([float(n)] * 4)] * n
 
 
+@pytest.mark.multiprocess
 @cuda
 @needs_gpu
 def test_gpu_timeout_fails_the_work_and_the_group(gpu_ranks):

@@ -467,6 +467,7 @@ def cpu_run(tmp_path_factory):
     return process, document, paths, before
 
 
+@pytest.mark.multiprocess
 def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
     process, document, _, _ = cpu_run
     assert process.returncode == 0, process.stderr
@@ -517,6 +518,7 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
             assert found[gpu] == points, gpu
 
 
+@pytest.mark.multiprocess
 def test_outputs_are_written(cpu_run):
     process, document, paths, before = cpu_run
     assert document["plan"]["world_size"] == 2 and document["plan"]["ops"] == list(ALL_OPS)
@@ -542,6 +544,7 @@ def _run_cli(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProces
                           text=True, timeout=RUN_TIMEOUT)
 
 
+@pytest.mark.multiprocess
 def test_three_ranks_other_dtype_and_reduction(tmp_path):
     path = str(tmp_path / "run.json")
     process = _run_cli(["--world-size", "3", "-d", "bfloat16", "-o", "max", "--root", "1",
@@ -558,6 +561,7 @@ def test_three_ranks_other_dtype_and_reduction(tmp_path):
     assert {r["root"] for r in results if r["op"] == "broadcast"} == {1}
 
 
+@pytest.mark.multiprocess
 def test_a_failing_rank_is_named():
     process = _run_cli(["-b", "4K", "-e", "4K", "--backends", "pyddp,gloo", "--iters", "1"],
                        {"PYDDP_SLOT_BYTES": "3"})
@@ -566,6 +570,7 @@ def test_a_failing_rank_is_named():
     assert "PYDDP_SLOT_BYTES" in process.stderr
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun_the_tool_is_the_ranks(tmp_path):
     path = str(tmp_path / "run.json")
     process = subprocess.run(
@@ -590,6 +595,7 @@ def test_simulated_hosts_are_refused_with_the_reason(monkeypatch, capsys):
     assert "--hosts 2: cannot simulate hosts here: no namespaces here" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_two_simulated_hosts_run_pyddp_auto_beside_gloo(tmp_path):
     reason = _launch.simulated_hosts_unavailable()
     if reason is not None:

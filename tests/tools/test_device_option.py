@@ -264,6 +264,7 @@ def test_bench_ddp_refuses_cuda_without_starting_ranks(no_gpu, monkeypatch, caps
     assert "--device cpu" in err
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("argv", [
     [TRAIN, "--device", "cuda"],
     ["-m", "pyddp.bench", "ddp", "--device", "cuda"],
@@ -378,6 +379,7 @@ def _epochs(output: str) -> list:
     return [(float(loss), float(accuracy)) for loss, accuracy in found]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_with_device_auto_train_as_one_process_does():
     reference = _run([sys.executable, TRAIN, "--nproc", "1", "--device", "cpu",
                       "--epochs", EPOCHS], RUN_SECONDS)

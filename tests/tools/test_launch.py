@@ -63,6 +63,7 @@ def _raise_on_rank_1(rank: int) -> None:
     time.sleep(60)
 
 
+@pytest.mark.multiprocess
 def test_function_ranks_return_results_by_rank():
     with _launch.spawn(_echo, 2, ("word",), rank_args=lambda r: (10 * r,),
                        env=lambda r: {"PYDDP_TEST_LAUNCH": f"env{r}"}) as job:
@@ -82,6 +83,7 @@ def _report(rank: int, lines, stall_after: int) -> int:
     return rank
 
 
+@pytest.mark.multiprocess
 def test_follow_shows_every_line_and_returns_the_results():
     lines = multiprocessing.get_context("spawn").Queue()
     shown = []
@@ -93,6 +95,7 @@ def test_follow_shows_every_line_and_returns_the_results():
     assert sorted(shown) == [f"rank {r} line {k}" for r in range(2) for k in range(3)]
 
 
+@pytest.mark.multiprocess
 def test_follow_stops_a_job_that_reports_nothing_for_too_long(short_abort):
     lines = multiprocessing.get_context("spawn").Queue()
     shown, pids = [], []
@@ -108,6 +111,7 @@ def test_follow_stops_a_job_that_reports_nothing_for_too_long(short_abort):
     assert _gone(pids[0])
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_raises_is_named_with_its_traceback(short_abort):
     job = _launch.spawn(_raise_on_rank_1, 2)
     pids = [job.pid(r) for r in range(2)]
@@ -126,6 +130,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback(short_abort):
 
 # --- command ranks ----------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ending, code, words", [
     ("sys.exit(3)", 3, "rank 1 exited with code 3"),
     ("os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL,
@@ -149,6 +154,7 @@ def test_a_rank_that_exits_is_named_and_the_others_are_stopped(tmp_path, short_a
     assert time.monotonic() - start < PROMPT_SECONDS
 
 
+@pytest.mark.multiprocess
 def test_a_hung_rank_is_killed_after_the_timeout(short_abort):
     ignore_term = f"signal.signal(signal.SIGTERM, signal.SIG_IGN)\n{SLEEP}"
     start = time.monotonic()
@@ -162,6 +168,7 @@ def test_a_hung_rank_is_killed_after_the_timeout(short_abort):
     assert time.monotonic() - start < PROMPT_SECONDS
 
 
+@pytest.mark.multiprocess
 def test_each_rank_gets_its_environment_prefix_and_log(tmp_path):
     show = ("print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], "
             "os.environ['LOCAL_WORLD_SIZE'], os.environ['PYTHONPATH'].split(os.pathsep)[0], "
@@ -175,6 +182,7 @@ def test_each_rank_gets_its_environment_prefix_and_log(tmp_path):
         assert job.log_tail(rank) == f"{rank} 3 {rank} 3 {REPO} env{rank} prefix{rank}"
 
 
+@pytest.mark.multiprocess
 def test_simulated_hosts_have_their_names_and_private_shared_memory(tmp_path):
     reason = _launch.simulated_hosts_unavailable()
     if reason is not None:
@@ -193,6 +201,7 @@ def test_simulated_hosts_have_their_names_and_private_shared_memory(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(name)]
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_exits_before_it_reported_done_has_failed():
     with _launch.start_commands([sys.executable, "-c", "pass"], 2) as job:
         deadline = time.monotonic() + 30
@@ -203,6 +212,7 @@ def test_a_rank_that_exits_before_it_reported_done_has_failed():
         assert job.poll(done={0, 1})
 
 
+@pytest.mark.multiprocess
 def test_a_launcher_is_named_and_the_ranks_it_reported_are_killed(tmp_path, short_abort):
     pid_file = tmp_path / "pids"
     launcher = textwrap.dedent(f"""

@@ -49,15 +49,18 @@ def env_ranks():
     pool.close()
 
 
+@pytest.mark.multiprocess
 def test_env_init_method(env_ranks):
     assert env_ranks.run(_join_and_reduce, "env://", False) == [2.0, 2.0]
 
 
+@pytest.mark.multiprocess
 def test_tcp_init_method(env_ranks):
     url = f"tcp://127.0.0.1:{_free_port()}"
     assert env_ranks.run(_join_and_reduce, url, True) == [2.0, 2.0]
 
 
+@pytest.mark.multiprocess
 def test_file_init_method(env_ranks):
     url = "file://" + os.path.join(env_ranks.tmpdir, "file-init")
     assert env_ranks.run(_join_and_reduce, url, True) == [2.0, 2.0]
@@ -90,12 +93,14 @@ def _launch(args) -> str:
     return proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun():
     out = _launch(["torch.distributed.run", "--nproc-per-node", "2",
                    f"--master-port={_free_port()}", SCRIPT])
     assert "rank 0/2 local_rank 0 sum 3" in out and "rank 1/2 local_rank 1 sum 3" in out, out
 
 
+@pytest.mark.multiprocess
 def test_under_legacy_launcher():
     out = _launch(["torch.distributed.launch", "--nproc-per-node", "2",
                    f"--master-port={_free_port()}", SCRIPT])

@@ -322,6 +322,7 @@ def test_every_row_has_a_check_and_every_check_a_row():
     assert set(_table()) == set(CHECKS)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_the_cpu_column(ranks, name):
     ranks.run(_run_row, name, _table()[name])

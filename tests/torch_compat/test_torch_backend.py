@@ -22,6 +22,8 @@ from collective_cases import (BITWISE_OPS, DTYPES, INT_DTYPES, ReduceOp, check_e
                               reference_reduce)
 from harness import RankContext, Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 COUNTS = [0, 1, 1001, 70000]
 
 

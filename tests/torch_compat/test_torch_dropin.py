@@ -217,10 +217,12 @@ def _check_training(pool: Ranks) -> None:
         assert moved, f"{case_name}: training changed no parameter"
 
 
+@pytest.mark.multiprocess
 def test_ddp_over_torchs_default_group_trains_as_over_pyddps_own(plain):
     _check_training(plain)
 
 
+@pytest.mark.multiprocess
 def test_ddp_over_torchs_default_group_under_detail(detail):
     _check_training(detail)
 
@@ -234,6 +236,7 @@ def test_ddp_without_any_process_group_refuses_at_once():
         DistributedDataParallel(torch.nn.Linear(2, 2), process_group="gloo")
 
 
+@pytest.mark.multiprocess
 def test_detail_wraps_every_pyddp_group(detail):
     assert detail.run(_wrapped) == [["_ProcessGroupWrapper", "pyddp"]] * detail.world_size
 
@@ -247,25 +250,31 @@ def _check_sequence_numbers(pool: Ranks) -> None:
         assert counts[rank]["pyddp"] == [1, 4, 5, 7, 7], counts
 
 
+@pytest.mark.multiprocess
 def test_sequence_numbers_count_issued_collectives_as_gloo(plain):
     _check_sequence_numbers(plain)
 
 
+@pytest.mark.multiprocess
 def test_sequence_numbers_under_detail(detail):
     _check_sequence_numbers(detail)
 
 
+@pytest.mark.multiprocess
 def test_object_collectives_and_subgroups_under_detail(detail):
     detail.run(_objects_and_subgroups)
 
 
+@pytest.mark.multiprocess
 def test_detail_catches_mismatched_collectives_and_the_group_goes_on(detail):
     detail.run(_mismatch_caught_before_pyddp)
 
 
+@pytest.mark.multiprocess
 def test_refused_calls_name_the_users_call(plain):
     plain.run(_refusals)
 
 
+@pytest.mark.multiprocess
 def test_refused_calls_name_the_users_call_under_detail(detail):
     detail.run(_refusals)

@@ -26,6 +26,8 @@ import pyddp  # noqa: F401  (registers the "pyddp" backend)
 from collective_cases import check_equal, make_input
 from harness import RankContext, Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 WORLD = 4
 BACKENDS = ("pyddp", "gloo")
 

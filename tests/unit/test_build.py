@@ -31,6 +31,7 @@ def _needed_libraries(path: str) -> set:
             for line in out.stdout.splitlines() if "(NEEDED)" in line}
 
 
+@pytest.mark.multiprocess
 def test_has_cuda_matches_the_shared_object():
     assert shutil.which("readelf"), "readelf (binutils) is needed to inspect the extension"
     needed = _needed_libraries(_C.__file__)
@@ -60,6 +61,7 @@ def _setup_py(env: dict, tmp_path) -> subprocess.CompletedProcess:
                           text=True, env={**os.environ, **env}, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_setup_refuses_a_cuda_build_it_cannot_make(tmp_path):
     """A toolkit whose major version differs from torch's: a CPU-only build
     with a warning saying why; forced with PYDDP_BUILD_CUDA=1, an error."""
@@ -89,6 +91,7 @@ def _defined_symbols(path: str) -> set:
     return {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
 
 
+@pytest.mark.multiprocess
 def test_the_extension_uses_the_process_runtime():
     """NEEDED libstdc++.so.6 and no runtime of its own, and the path that crashed with two
     runtimes (a new group's layout, where the first integers of a process are written to a
@@ -131,6 +134,7 @@ def runtimes(tmp_path_factory):
     return built
 
 
+@pytest.mark.multiprocess
 def test_own_runtime_tells_a_static_runtime_from_the_shared_one(runtimes):
     """readelf and nm are the witnesses; loading each after torch shows why it matters: the
     static one's integer comes out empty (g++ 12) or the process crashes (g++ 13)."""
@@ -158,6 +162,7 @@ def test_own_runtime_tells_a_static_runtime_from_the_shared_one(runtimes):
     assert ran["static"].returncode != 0 or ran["static"].stdout != "12345\n", ran["static"]
 
 
+@pytest.mark.multiprocess
 def test_setup_links_the_shared_runtime_whatever_the_compiler_picks(tmp_path):
     """Two compilers link libstdc++.a where nothing asks otherwise: a wrapper that appends
     -static-libstdc++, and one whose -B directory holds libstdc++.a alone (the vendor CUDA
@@ -183,6 +188,7 @@ def test_setup_links_the_shared_runtime_whatever_the_compiler_picks(tmp_path):
         assert (own_runtime(module) is not None) == own, (compiler, link)
 
 
+@pytest.mark.multiprocess
 def test_import_refuses_an_extension_with_its_own_runtime(runtimes, tmp_path):
     """pyddp's Python files beside a module that carries its own runtime, as _C: the import
     fails naming the cause and the fix, before the module is loaded."""

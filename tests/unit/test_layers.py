@@ -5,7 +5,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from paths import REPO as ROOT
+
+pytestmark = pytest.mark.multiprocess
 
 CHECK = os.path.join(ROOT, ".ci", "check_layers")
 
