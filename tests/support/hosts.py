@@ -38,9 +38,12 @@ class HostRanks:
         self._rendezvous = _launch.Rendezvous(prefix="pyddp-hosts-")
         self.tmpdir = self._rendezvous.directory
         self._key = secrets.token_bytes(16)
+        # The ranks are commands, not spawned processes: they get this process's sys.path
+        # as spawned ranks do, so that they import the tests' modules from their folders.
         self._job = _launch.SimulatedHosts(self.placement, self.tmpdir).start_commands(
             [sys.executable, __file__, self.tmpdir], log_dir=self.tmpdir,
-            env={"PYDDP_TEST_AUTHKEY": self._key.hex(), **(env or {})})
+            env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                 "PYDDP_TEST_AUTHKEY": self._key.hex(), **(env or {})})
         self._conns: List[Any] = [None] * self.world_size
         try:
             self._accept()
