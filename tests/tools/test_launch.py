@@ -14,10 +14,10 @@ import time
 
 import pytest
 
+from paths import REPO
 from pyddp import _launch
 from pyddp._launch import RankFailed, RanksTimedOut, Rendezvous
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_SECONDS = 10.0
 """A failure or a kill must be dealt with in this long, far below the ranks' 60 s sleeps."""
 SLEEP = "import time; time.sleep(60)"
