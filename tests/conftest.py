@@ -3,7 +3,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The helper modules (harness, collective_cases, ...) live in tests/support and are
+# imported by name from every folder of tests; spawned ranks get this sys.path too.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
 from harness import Ranks, pyddp_segments  # noqa: E402
 
@@ -21,5 +23,13 @@ def no_leaked_segments():
 def two():
     """Two ranks for a module's tests (a module may define its own, with a setup)."""
     pool = Ranks(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def three():
+    """Three ranks for a module's tests."""
+    pool = Ranks(3)
     yield pool
     pool.close()

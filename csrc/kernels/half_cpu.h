@@ -7,7 +7,7 @@
 // On x86 CPUs with AVX2 and F16C the conversions are vector instructions,
 // 8 elements at a time; elsewhere they are c10's scalar conversions. Both
 // round to nearest even and give the same bits for every value but a NaN's
-// payload (tests/test_cpu_kernels.py sweeps every half value and the
+// payload (tests/unit/test_cpu_kernels.py sweeps every half value and the
 // rounding cases of both). c10's scalar conversions made an fp16 all_reduce
 // of 64 MiB on 2 ranks 9x slower than an fp32 one of the same bytes.
 #pragma once

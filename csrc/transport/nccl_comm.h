@@ -38,7 +38,7 @@ ncclDataType_t dataType(DataType t);
 // copy) gives it: NCCL's one-rank path for ncclAvg, a pre-multiplied sum over
 // up to 32 blocks of nElts / 32 elements each, leaves the last nElts % 32
 // elements of an out-of-place call unwritten (NCCL 2.28.9 on an H200: 3 of
-// 1048579 floats; tests/test_nccl_engine.py's world1 cases).
+// 1048579 floats; tests/gpu/test_nccl_engine.py's world1 cases).
 ncclRedOp_t redOp(RedOp op, int ranks);
 
 // A fresh ncclUniqueId, as NCCL_UNIQUE_ID_BYTES bytes (works without a GPU).

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import pyddp
 from pyddp import devices
 from pyddp._launch import temporary_environ
-# tests/test_bench.py reads NCCL's version for ranks sharing a GPU here.
+# tests/tools/test_bench.py reads NCCL's version for ranks sharing a GPU here.
 from pyddp.devices import NCCL_MULTI_RANK_GPU_VERSION  # noqa: F401
 
 MPIRUN_VERSION_SECONDS = 30.0

@@ -99,7 +99,7 @@ MPS_PATTERN='(^|/)nvidia-cuda-mps-control( |$)'
 SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc,pyddp_ipc_two_shot,pyddp_ipc_one_shot,pyddp_nccl,pyddp_nccl_ring
 SWEEP_PEERS+=,symm_mem_one_shot,symm_mem_two_shot,limit_cuda
 
-# --- pieces that read logs (pure: tests/test_gpu_check.py runs them) ----------------------
+# --- pieces that read logs (pure: tests/tools/test_gpu_check.py runs them) ----------------------
 
 # pytest_counts LOG: "P passed, F failed, S skipped" (", E errors" when any), from pytest's
 # closing line, or from the -v lines of a run stopped before it.
