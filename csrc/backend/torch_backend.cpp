@@ -6,8 +6,28 @@
 
 #include "common/check.h"
 
+#ifdef PYDDP_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace pyddp {
 namespace {
+
+// Why a CUDA build cannot make an engine for `device` in this process, ""
+// if it may try: torch sees no such GPU (no GPU, no driver, or
+// CUDA_VISIBLE_DEVICES hides it), where the engine would fail at the device
+// with CUDA's own error. A build without CUDA is refused by makeEngine.
+std::string whyNotVisible(c10::Device device) {
+#ifdef PYDDP_WITH_CUDA
+  const int count = c10::cuda::device_count();
+  if (device.index() < count) return "";
+  return c10::str("torch sees ", count, " CUDA device", count == 1 ? "" : "s", " in this process, "
+                  "so it cannot serve ", device, " tensors (check the GPU driver and "
+                  "CUDA_VISIBLE_DEVICES)");
+#else
+  return "";
+#endif
+}
 
 // The device of every tensor of a call, first tensor first: the first, and
 // the first other one seen (if any).
@@ -79,6 +99,8 @@ Engine& TorchBackend::cudaEngine(c10::Device device, std::string_view op) {
                 " on a process group that was destroyed");
     cudaDevice_ = device;
     try {
+      const std::string why = whyNotVisible(device);
+      PYDDP_CHECK_TYPE(why.empty(), "rank ", rank_, ": ", why);
       made = make(device, "auto");
     } catch (...) {
       cudaFailure_ = std::current_exception();
