@@ -29,13 +29,15 @@ std::string whyNotVisible(c10::Device device) {
 #endif
 }
 
-// The device of every tensor of a call, first tensor first: the first, and
-// the first other one seen (if any).
+// The devices of a call's tensors, first tensor first: the first, and the
+// first other one seen (if any). An undefined tensor has none; the engine's
+// checks name it.
 struct CallDevices {
   std::optional<c10::Device> first;
   std::optional<c10::Device> other;
 
   void add(const at::Tensor& t) {
+    if (!t.defined()) return;
     if (!first) {
       first = t.device();
     } else if (!other && t.device() != *first) {

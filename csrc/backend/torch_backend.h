@@ -14,11 +14,12 @@
 // mu_; a call from another thread on CUDA tensors waits for it. Once made
 // the engine is published through cuda_ (an atomic pointer, read without
 // the lock) and never replaced. When it cannot be made (a build without
-// CUDA, an engine that every candidate refused, a peer that never came),
-// the error is kept and every later CUDA call raises it at once: its peers
-// failed the same bootstrap, and meeting again would wait for ranks that
-// have given up. CPU calls go on. The first CUDA call also fixes the
-// group's CUDA device: tensors on another CUDA device are refused.
+// CUDA, a GPU that torch does not see, an engine that every candidate
+// refused, a peer that never came), the error is kept and every later CUDA
+// call raises it at once: its peers failed alike, and meeting again would
+// wait for ranks that have given up. CPU calls go on. The first CUDA call
+// also fixes the group's CUDA device: tensors on another CUDA device are
+// refused.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
