@@ -20,7 +20,7 @@ calls that need them (pipelining's sends and receives, DTensor's shard-to-shard 
 must be refused, naming the call and the transport, on every rank, with the other calls
 served.
 
-Every test is marked ``cuda`` and skips without a GPU.
+Every test is marked ``cuda`` and skips without a GPU (tests/test_gpu_collectives.py's marks).
 """
 
 from __future__ import annotations
@@ -34,23 +34,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import pyddp
 from harness import RankContext, Ranks
+from test_gpu_collectives import NCCL_MULTI_RANK_GPU_VERSION, pytestmark  # noqa: F401
 from test_torch_backend_multidevice import _Counting, _cpu_collectives
 from test_torch_stack import (SHAPES, _bits, _default_group, _flatten, _ints, _model, _name,
                               _partial_cases, _partial_local, _placements)
 
 WORLD = 4
-NCCL_MULTI_RANK_GPU_VERSION = (2, 30)
 # What a CUDA engine over cuda_ipc says to a call that moves messages between two ranks.
 NO_MESSAGES = ("moves messages between pairs of ranks, which pyddp's cuda_ipc transport does "
                "not have")
-
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not pyddp._C.has_cuda, reason="pyddp was built without CUDA"),
-]
 
 
 def _shares_gpu() -> bool:
@@ -111,6 +104,25 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
+def _train_steps(ctx: RankContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 device: torch.device, steps: int) -> np.ndarray:
+    """``steps`` steps of _model()'s classification task, this rank on its share of the
+    batch: the losses."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4 * ctx.world_size, 12, generator=gen)
+    y = torch.randint(0, 5, (4 * ctx.world_size,), generator=gen)
+    shard = slice(4 * ctx.rank, 4 * (ctx.rank + 1))
+    x, y = x[shard].to(device), y[shard].to(device)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses)
+
+
 # --- the CUDA engine's creation ----------------------------------------------------------
 
 
@@ -168,20 +180,9 @@ def _ddp_train(ctx: RankContext, backend: str) -> dict:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=0.001)  # a bucket per parameter or so: many all-reduces
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(3)
-        x = torch.randn(4 * ctx.world_size, 12, generator=gen)
-        y = torch.randint(0, 5, (4 * ctx.world_size,), generator=gen)
-        shard = slice(4 * ctx.rank, 4 * (ctx.rank + 1))
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(ddp(x[shard].to(device)),
-                                                     y[shard].to(device))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out = {"losses": np.array(losses), "params": [_numpy(p) for p in model.parameters()]}
+        losses = _train_steps(ctx, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9),
+                              device, steps=3)
+        out = {"losses": losses, "params": [_numpy(p) for p in model.parameters()]}
         if backend == "pyddp":
             out["transport"] = _cuda_transport(dist.group.WORLD, device)
     return out
@@ -219,21 +220,10 @@ def _fsdp_train(ctx: RankContext, backend: str, mesh_shape) -> dict:
         fully_shard(model, mesh=mesh)
         # gloo has no ReduceOp.AVG, FSDP2's default for float32: it sums, then divides.
         model.set_force_sum_reduction_for_comms(backend == "gloo")
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(4 * ctx.world_size, 12, generator=gen)
-        y = torch.randint(0, 5, (4 * ctx.world_size,), generator=gen)
-        shard = slice(4 * ctx.rank, 4 * (ctx.rank + 1))
-        losses = []
-        for _ in range(4):
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x[shard].to(device)),
-                                                     y[shard].to(device))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = _train_steps(ctx, model, torch.optim.Adam(model.parameters(), lr=0.01), device,
+                              steps=4)
         params = [_numpy(p.full_tensor()) for p in model.parameters()]
-    return {"losses": np.array(losses), "params": params}
+    return {"losses": losses, "params": params}
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["fsdp", "hsdp"])
