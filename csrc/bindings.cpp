@@ -1,8 +1,8 @@
 // The only pybind11 file of pyddp._C's public face: options, the engines
-// (bound once, through their base class) and the registry that makes them.
-// It sees backend/ and common/ only. Every call that can wait releases the
-// GIL, and lets Python's signal handlers interrupt its waits. The test-only
-// helpers live in csrc/testing/.
+// (bound once, through their base class), the registry that makes them and
+// torch.distributed's backend that holds them. It sees backend/ and common/
+// only. Every call that can wait releases the GIL, and lets Python's signal
+// handlers interrupt its waits. The test-only helpers live in csrc/testing/.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
@@ -25,6 +25,7 @@
 #include "backend/engine_registry.h"
 #include "backend/registered_tensors.h"
 #include "backend/ring_engine.h"
+#include "backend/torch_backend.h"
 #include "common/check.h"
 #include "common/config.h"
 #include "common/interrupt.h"
@@ -447,6 +448,18 @@ c10::intrusive_ptr<c10d::Backend> torchGloo(const c10::intrusive_ptr<c10d::Store
   return gloo(store, rank, size, timeout).cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
+// Logs an engine that a "pyddp" group of torch.distributed made through
+// pyddp's logger (pyddp/torch_backend.py): the CPU engine with the group,
+// a CUDA engine inside the call that needed it, where the GIL is free.
+void logTorchEngine(int rank, int size, const EngineChoice& choice) {
+  process::parkIfExiting();
+  py::gil_scoped_acquire gil;
+  const Engine& engine = *choice.engine;
+  py::module_::import("pyddp.torch_backend")
+      .attr("_log_engine")(rank, size, engine.device(), engine.transport(), choice.refusals,
+                           choice.layout);
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -657,6 +670,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("backend"),
       "(engine, refusals, layout): the engine of `backend` for `device`, why each candidate "
       "before it was passed over, and where the ranks run (CPU engines).");
+  py::class_<TorchBackend, c10d::Backend, c10::intrusive_ptr<TorchBackend>>(
+      m, "TorchBackend",
+      "What torch.distributed's \"pyddp\" backend gives torch for a group: an engine per "
+      "device type, the CUDA one made at the group's first call on CUDA tensors.")
+      .def_property_readonly("engines", &TorchBackend::engines,
+                             "The engines made so far, the CPU's first.");
+  m.def(
+      "make_torch_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const RingOptions& options, const std::string& backend) {
+        return interruptibly([&] {
+          return c10::make_intrusive<TorchBackend>(
+              store, rank, size, options, backend, torchGloo,
+              [rank, size](const EngineChoice& choice) { logTorchEngine(rank, size, choice); });
+        });
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"), py::arg("backend"),
+      "The c10d backend of a torch.distributed group of \"pyddp\" on `store` (the group's "
+      "own): its CPU engine of `backend`, made now, and its CUDA engine of \"auto\", made at "
+      "the group's first call on CUDA tensors. Each engine is logged as it is made.");
   m.def(
       "agree_on_group",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::vector<int>& ranks,

@@ -1,18 +1,19 @@
 """pyddp as torch.distributed's ``"pyddp"`` backend: its registration and the creator torch
 calls for each of its groups.
 
-``import pyddp`` registers it. torch then calls ``_create_torch_backend`` once for each group
-of ``init_process_group("pyddp")`` and its ``new_group`` calls, and registers the one
-``c10d::Backend`` it returns (a pyddp engine, ``_C.Engine``) for every device type that the
-group maps to "pyddp": a torch ProcessGroup holds one backend of c10d's custom type, whatever
-the device. An engine serves the tensors of one device, so "pyddp" is registered for CPU
-tensors alone; CUDA tensors take torch's NCCL beside it (``"cpu:pyddp,cuda:nccl"``), or
-pyddp's own groups (``pyddp.init_process_group("auto")``).
+``import pyddp`` registers it, for CPU and CUDA tensors. torch then calls
+``_create_torch_backend`` once for each group of ``init_process_group("pyddp")`` and its
+``new_group`` calls, and registers the one ``c10d::Backend`` it returns for every device type
+that the group maps to "pyddp" (a torch ProcessGroup holds one backend of c10d's custom type).
+That backend (``_C.TorchBackend``, csrc/backend/torch_backend.h) holds the group's engines, as
+pyddp's own ProcessGroup does: the CPU engine, made with the group, and a CUDA engine, made at
+the group's first call on CUDA tensors; each call goes to the engine of its tensors' device.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ TORCH_BACKEND_NAME = "pyddp"
 
 
 def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
-                          pg_options: object) -> _C.Engine:
+                          pg_options: object) -> _C.TorchBackend:
     """The creator torch.distributed calls for ``init_process_group("pyddp")`` and its
     ``new_group`` calls (torch's extended creator API).
 
@@ -51,17 +52,26 @@ def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOpt
     opts = _C.RingOptions()
     opts.timeout_ms = _milliseconds(timeout)
     opts.validate()
-    engine, _, layout = _C.make_engine(store, rank, world_size, opts, torch.device("cpu"),
-                                       "auto")
-    logger.info("rank %d/%d: torch.distributed backend %r over %s (%s; slot_bytes=%d, "
-                "num_slots=%d, direct_max_bytes=%d, algo=%s)", rank, world_size,
-                TORCH_BACKEND_NAME, engine.transport, layout, opts.slot_bytes, opts.num_slots,
-                opts.direct_max_bytes, opts.algo)
-    return engine
+    backend = _C.make_torch_backend(store, rank, world_size, opts, "auto")
+    logger.info("rank %d/%d: torch.distributed backend %r: slot_bytes=%d, num_slots=%d, "
+                "direct_max_bytes=%d, algo=%s", rank, world_size, TORCH_BACKEND_NAME,
+                opts.slot_bytes, opts.num_slots, opts.direct_max_bytes, opts.algo)
+    return backend
+
+
+def _log_engine(rank: int, world_size: int, device: torch.device, transport: str,
+                refusals: List[str], layout: str) -> None:
+    """Logs an engine that a group of the backend made: its CPU engine with the group, its
+    CUDA engine at the group's first call on CUDA tensors (csrc/bindings.cpp calls it)."""
+    who = f"rank {rank}/{world_size}: torch.distributed backend {TORCH_BACKEND_NAME!r}"
+    for why in refusals:
+        logger.info("%s: %s tensors: passed over %s", who, device, why)
+    logger.info("%s: %s tensors over %s%s", who, device, transport,
+                f" ({layout})" if layout else "")
 
 
 def register_torch_backend() -> None:
-    """Registers ``"pyddp"`` with ``torch.distributed`` (for CPU tensors).
+    """Registers ``"pyddp"`` with ``torch.distributed`` (for CPU and CUDA tensors).
 
     Afterwards ``torch.distributed.init_process_group("pyddp")``, or a
     per-device string such as ``"cpu:pyddp,cuda:nccl"``, routes torch's
@@ -71,4 +81,4 @@ def register_torch_backend() -> None:
     if TORCH_BACKEND_NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(TORCH_BACKEND_NAME, _create_torch_backend, extended_api=True,
-                                  devices=["cpu"])
+                                  devices=["cpu", "cuda"])

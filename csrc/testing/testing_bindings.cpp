@@ -13,6 +13,7 @@
 
 #include "algorithms/schedule.h"
 #include "backend/cma_chooser.h"
+#include "backend/torch_backend.h"
 #include "backend/torch_types.h"
 #include "common/blob.h"
 #include "common/check.h"
@@ -276,6 +277,16 @@ void bindTesting(py::module_& m) {
     return c;
   };
   t.def("describe_desc", [=](const py::dict& d) { return describe(desc(d)); });
+  // The engine a "pyddp" group of torch.distributed sends all_reduce to for
+  // tensors of `device`, made as a call on such tensors makes it (a CUDA
+  // engine where no CUDA tensor can be made).
+  t.def(
+      "torch_backend_engine",
+      [](TorchBackend& backend, c10::Device device) {
+        return c10::intrusive_ptr<Engine>::unsafe_reclaim_from_nonowning(
+            &backend.engineFor(device, "allreduce"));
+      },
+      py::arg("backend"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
   // The mismatch message of rank `rank` holding descs[rank], both ways:
   // compared pairwise with every other rank (shm), and from the MAX
   // all-reduce of every rank's words (NCCL).

@@ -38,9 +38,9 @@ from collective_suite import (_all_gather_cases, _all_reduce_cases, _broadcast_c
 from ddp_cases import (Case, assert_close_records, assert_identical_records, make_model, pack,
                        reference, train, unpack)
 from harness import RankContext, Ranks
+from pyddp.bench import peers
 
 WORLD = 2
-NCCL_MULTI_RANK_GPU_VERSION = (2, 30)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -57,7 +57,7 @@ def _shares_gpu() -> bool:
 def _nccl_reason() -> str:
     """Why NCCL cannot run two ranks here; "" if it can."""
     version = tuple(torch.cuda.nccl.version()[:2])
-    if _shares_gpu() and version < NCCL_MULTI_RANK_GPU_VERSION:
+    if _shares_gpu() and version < peers.NCCL_MULTI_RANK_GPU_VERSION:
         return f"two ranks on one GPU need NCCL >= 2.30, torch has {version}"
     return ""
 

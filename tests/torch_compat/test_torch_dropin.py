@@ -166,7 +166,7 @@ def _refusals(ctx: RankContext) -> None:
         with pytest.raises(NotImplementedError) as error:
             call()
         assert isinstance(error.value, RuntimeError)  # what c10d's own refusals raise
-        assert f"pyddp: rank {ctx.rank}: {described}: pyddp's shm engine does not support it" \
+        assert f"pyddp: rank {ctx.rank}: {described}: the pyddp backend does not support it" \
             in str(error.value), str(error.value)
     # Nothing reached the transport: the group goes on.
     t = torch.ones(3)
