@@ -77,51 +77,26 @@ struct RingOptions {
   Algo gatherAlgo(size_t bytes) const;
 };
 
-// Measured with `PYDDP_SLOT_BYTES=... PYDDP_NUM_SLOTS=... python -m pyddp.bench
-// --backends pyddp -b 1M -e 64M` on the 2-core development machine, 2 ranks:
-// 64 KiB to 256 KiB slots with 4 or 8 slots were within noise of each other
-// (64 MiB all_reduce ~9 ms); 1 MiB slots were 5-10% slower. The smallest of
-// the best keeps a rank's ring buffers (512 KiB) inside its L2 cache.
+// The ring's geometry by default: the smallest of the sizes and counts that
+// measured fastest (benchmarks/studies/the-ring-slots-size-and-number.md).
 constexpr size_t kDefaultSlotBytes = 64 * 1024;
 constexpr int kDefaultNumSlots = 8;
-// Same machine, PYDDP_ALGO=direct vs ring, 2 ranks: level (2.5-3.7 us) up to
-// 4 KiB, ring 10% faster at 16 KiB and 2x at 64 KiB (direct makes every rank
-// reduce the whole tensor). More ranks favour direct: the ring's latency
-// grows with its 2(n-1) hops. 8 KiB sits between.
+// Where direct and ring all-reduce crossed on 2 ranks; more ranks favour
+// direct (benchmarks/studies/direct-or-ring-for-a-small-all-reduce.md).
 constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
 constexpr size_t kDefaultTwoShotMaxBytes = 0;
-// Whether a collective of `kind` on `bytes` per rank reads registered
-// tensors where they lie (algorithms/collectives.h) when all it reads are.
-// Measured on the 2-core development machine, 2 ranks, float32, median of
-// three interleaved pairs of loops against the same collective on plain
-// tensors: all_gather (bytes per input) and broadcast gain 1.4-2.2x from 64
-// KiB to 8 MiB; below 64 KiB the staged algorithms' single meeting wins.
-// all_reduce (two-shot, in place) loses at 256 KiB (0.81-0.88x) and gains
-// 1.08x at 512 KiB, 1.3-1.65x from 1 to 4 MiB. Above 8 MiB the pipelined
-// ring, which keeps two cores copying, catches up (16 MiB: 1.05-1.2x) and
-// wins at 32 and 64 MiB (all_reduce 0.76-0.80x, broadcast 0.81-0.97x).
-// reduce_scatter (bytes per output block), where each rank reads only its
-// block of each input and no pipelined ring does less, gains at every size
-// from 2 KiB to 64 MiB (2 ranks: 1.3-1.5x at 2-4 KiB, 2-4.5x from 16 KiB
-// to 1 MiB, 1.1-2.6x at 16 MiB, 2x at 64 MiB; 3 ranks: 1.02x at 4 KiB,
-// 1.1-2x from 16 KiB to 16 MiB) and is even at 1 KiB.
+// The bytes per rank from which, and up to which, reading registered tensors
+// in place measured faster than staging them
+// (benchmarks/studies/registered-memory.md, "The window's edges").
 constexpr size_t kRegisteredMinBytes = 64 * 1024;
 constexpr size_t kRegisteredAllReduceMinBytes = 512 * 1024;
 constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
+// Whether a collective of `kind` on `bytes` per rank reads registered
+// tensors where they lie (algorithms/collectives.h) when all it reads are.
 bool readsRegistered(CollectiveKind kind, size_t bytes);
-// RingOptions::cmaMinBytes by default. `python benchmarks/side_by_side.py
-// cma OP BYTES 4` on the 2-core AMD EPYC VM
-// (benchmarks/studies/single-copy-through-the-kernel.md), 2 ranks,
-// rounds alternating between the
-// slots, the kernel copy and auto: from 256 KiB to 16 MiB auto was within
-// 1.1x of the faster of the two in 113 of 144 rounds. Below, since a
-// broadcast's root writes half of it: at 64 and 128 KiB per rank the
-// kernel copy took 0.55-0.96x the slots' time in each round, for
-// all_gather and broadcast, on near cores and far ones alike, and auto with
-// this minimum 0.57-1.0x; at 16 and 32 KiB the kernel copy took
-// 0.91-1.54x in the rounds after the first (all_gather and broadcast of 16
-// KiB 1.4-1.5x, broadcast of 32 KiB 1.1-1.3x).
+// RingOptions::cmaMinBytes by default: below it the kernel copy lost to the
+// ring's slots or tied (benchmarks/studies/the-kernel-from-64-kib.md).
 constexpr size_t kDefaultCmaMinBytes = 64 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;
 // Four 64 MiB messages, or any number of small ones, ahead of the receives
