@@ -1,7 +1,9 @@
 // Ring schedules as pure functions: which block moves at which step, how a
-// buffer splits into blocks and a block into pieces. Shared by the CPU
-// executor and the CUDA kernels (__host__ __device__), unit tested through
-// pyddp._C._testing.
+// buffer splits into blocks and a block into pieces. The ring algorithms
+// (collectives.cpp, backend/ring_engine.cpp) use them on the host; the
+// fused collectives' channel programs (device/programs.h) split their parts
+// with balancedBlock on the GPU too, so the functions are __host__
+// __device__. Unit tested through pyddp._C._testing.
 //
 // Vocabulary (as in Gloo):
 //   block  the share of a buffer that belongs to one rank: for all-reduce a
@@ -92,12 +94,7 @@ PYDDP_HD inline size_t rootWrittenBytes(size_t bytes, int n) {
 // copies a piece of each peer's block at a time into scratch before it
 // reduces it: all the pieces small enough to be still in the cache (L2)
 // when the reduction reads them, each large enough that its system call is
-// worth it. `python benchmarks/side_by_side.py cma all_reduce` on the
-// 2-core AMD EPYC VM (1 MiB of L2 per core), 2 ranks on near cores, per
-// call: 1 MiB per rank, 64 KiB pieces 155 us, 256 KiB 125-132 us, 512 KiB
-// 117-121 us (the slots 127-145 us); 4 MiB, 64 KiB pieces 473-501 us, 256
-// and 512 KiB 417-433 us in quiet rounds, the whole 2 MiB block as one
-// piece 487-628 us.
+// worth it (benchmarks/studies/reductions-through-the-kernel.md).
 constexpr size_t kKernelScratchBytes = 512 * 1024;
 // The piece of each peer's block on `worldSize` ranks: kKernelScratchBytes
 // shared among the peers, in whole pages (so whole elements of any type),

@@ -5,17 +5,18 @@
 // each has just cost.
 //
 // Neither wins everywhere, and on a virtual machine which one wins changes
-// while a job runs: the kernel copy moves 6-7.5 GB/s wherever the host runs
-// the ranks' vCPUs, the slots' cached handoffs 9-12 GB/s between near cores
-// and 2.3-2.9 GB/s between far ones (transport/slot_stores.h), so at 256
-// KiB to 4 MiB per rank the kernel copy won every round of one batch and
-// lost most of the next (benchmarks/studies/single-copy-through-the-kernel.md).
-// So the choice follows an estimate of nanoseconds per byte of
-// each path, per collective kind and power-of-two size, the median of its
-// recent times (common/cost_estimate.h); it takes the kernel once that is
-// clearly cheaper, keeps it while it is cheaper at all, takes the slots
-// otherwise and, for a short run of calls now and then, the other path, to
-// notice a change.
+// while a job runs: the kernel copy's speed does not depend on where the
+// host runs the ranks' vCPUs, while the slots' cached handoffs are several
+// times faster between near cores than between far ones
+// (transport/slot_stores.h), so at the same size the kernel copy won every
+// round of one batch and lost most of the next
+// (benchmarks/studies/single-copy-through-the-kernel.md). So the choice
+// follows an estimate of nanoseconds per byte of each path, per collective
+// kind and power-of-two size, the median of its recent times
+// (common/cost_estimate.h); it takes the kernel once that is clearly
+// cheaper, keeps it while it is cheaper at all, takes the slots otherwise
+// and, for a short run of calls now and then, the other path, to notice a
+// change.
 //
 // The ranks must take the same path, so one rank chooses and times (rank 0,
 // or a broadcast's last rank of the chain: algorithms::kernelVoter); its
@@ -36,29 +37,22 @@ namespace pyddp {
 
 class CmaChooser {
  public:
-  // Four calls in a row of every 128 take the path not preferred. The first
-  // call after a switch pays for the other path's cold state (caches, the
-  // slots' pipeline) and is slow: all_gather of 1 MiB per rank on far cores
-  // took 1.4-1.5x a call in a run of the same path; broadcast of 1 and 4 MiB
-  // through the slots took 2.1-2.5x on each of its first two calls, 1.0-1.5x
-  // on the fourth (benchmarks/side_by_side.py switches). An estimate from a
-  // lone call kept a path that took 1.2x a run of the other (side_by_side.py
-  // cma); so the first call after a switch is not timed, and the estimate
-  // is set by the warm ones. The worse path cost up to 2x the
-  // better one in those measurements, so exploring costs about 3-5%, and a
+  // Four calls in a row of every 128 take the path not preferred, so a
   // change that makes that path the cheaper one is noticed within 128 calls
-  // of a size.
+  // of a size; where the worse path cost up to 2x the better one, exploring
+  // costs about 3-5%. The first call after a switch pays for the other
+  // path's cold state (caches, the slots' pipeline), and an estimate from a
+  // lone call kept the wrong path, so that call is not timed and the warm
+  // ones set the estimate
+  // (benchmarks/studies/single-copy-through-the-kernel.md).
   //
   // Before that, exploring runs start at calls 16, 32 and 64 (kFirstExplore
   // and its doublings): the first runs of a size measure each path on the
   // first calls of a job, which may still be paying for work that later
-  // calls do not (all_reduce of 4 MiB per rank on far cores: the kernel's
-  // first round of about 16 calls took 1246 us a call, its later ones
-  // 776-836, the slots 1190-1305 throughout; with its next look at the
-  // kernel at call 128, auto stayed on the slots for all of about 130
-  // calls, 1.45-1.63x the kernel's time, benchmarks/side_by_side.py cma).
-  // A pick made from the first runs is now looked at again after 7 calls;
-  // the extra looks cost the other path's time on 12 of the first 128.
+  // calls do not, and a pick made from them held until call 128
+  // (benchmarks/studies/what-the-kernel-chooser-samples.md). So a pick made
+  // from the first runs is looked at again after 7 calls; the extra looks
+  // cost the other path's time on 12 of the first 128.
   static constexpr uint64_t kExploreEvery = 128;
   static constexpr uint64_t kExploreRun = 4;
   static constexpr uint64_t kFirstExplore = 16;
@@ -75,28 +69,21 @@ class CmaChooser {
   }
   // Each path's estimate is the median of its last kWindow samples (a
   // sample counts as it is: the window, not a cap on rises, keeps one slow
-  // call from moving it). Where the two paths are close, one sample of each
-  // ranked them wrong often: all_gather of 512 KiB per rank on near cores,
-  // the kernel 55-66 us a call and the slots 59-76 in loops of each path,
-  // auto took the kernel in 0 to 76 of each round's 76 calls when the
-  // estimate was the latest sample (its rise capped at 1.5x), for
-  // 0.92-1.14x the kernel's time. The floor of the window instead followed
-  // lucky low samples: the slots' first timed calls after the kernel's took
-  // 46-51 us, their later ones 52-60. With 3, the three timed calls of one
-  // exploring run set the estimate of the path it explores (a change that
-  // makes it the cheaper one is still noticed at the next run, and two warm
-  // calls outvote a cold one), one lucky call does not, and a rise of the
-  // preferred path is followed within 2 calls.
+  // call from moving it). Where the two paths are close, the latest sample
+  // of each ranked them wrong often, and the floor of the window followed
+  // lucky low samples
+  // (benchmarks/studies/what-the-kernel-chooser-samples.md). With 3, the
+  // three timed calls of one exploring run set the estimate of the path it
+  // explores (a change that makes it the cheaper one is still noticed at
+  // the next run, and two warm calls outvote a cold one), one lucky call
+  // does not, and a rise of the preferred path is followed within 2 calls.
   static constexpr int kWindow = 3;
   // The kernel is taken once its estimate is more than this much below the
-  // slots', and kept while it is below at all. Each estimate follows its
-  // path's noise, so with one threshold the choice flipped back and forth
-  // between two paths close to it: at 1.0, all_gather of 256 KiB per rank
-  // on 2 near cores took the kernel in 19-38 of each 64 calls, for
-  // 1.08-1.19x the slots' time; at 1.2 and no other, all_gather of 4 MiB on
-  // far cores took the slots in 13-62 of each 100 calls, though the kernel
-  // copy took 1.3x less time (medians of the calls on each path). Where the
-  // kernel won, it did by 1.2-1.7x (far cores, 1 and 4 MiB).
+  // slots', and kept while it is below at all: each estimate follows its
+  // path's noise, so with one threshold, at 1.0 or at 1.2, the choice
+  // flipped back and forth between two paths close to it. Where the kernel
+  // won, it won by at least this much
+  // (benchmarks/studies/single-copy-through-the-kernel.md).
   static constexpr double kKernelAdvantage = 1.2;
 
   explicit CmaChooser(CmaReads mode) : mode_(mode) {}
