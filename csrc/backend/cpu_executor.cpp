@@ -144,13 +144,17 @@ void CpuExecutor::start(Hooks hooks) {
 }
 
 CpuExecutor::~CpuExecutor() {
-  shutdown();
+  shutdown(Teardown::Destroyed);
 }
 
-void CpuExecutor::shutdown() {
+void CpuExecutor::shutdown(Teardown how) {
   // The first caller does the work; a concurrent or later one returns (a
   // callback on the worker must not wait for a caller joining the worker).
   if (shutDown_.exchange(true)) return;
+  const std::string ended = c10::str("rank ", rank_, " ", pastTense(how), " its process group");
+  // An abort reaches the peers before the running collective fails here,
+  // so that the reason they read is the abort, not that collective's end.
+  if (started_ && how == Teardown::Aborted) queue_->hooks.abandon(ended);
   std::deque<Job> dropped;
   {
     std::lock_guard<std::mutex> lock(queue_->mu);
@@ -162,8 +166,8 @@ void CpuExecutor::shutdown() {
   for (Job& job : dropped) {
     job.work->fail(std::make_exception_ptr(c10::DistBackendError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        c10::str("pyddp: rank ", rank_, ": the process group was destroyed before this ",
-                 toString(job.collective.desc.kind), " ran"))));
+        c10::str("pyddp: rank ", rank_, ": the process group was ", pastTense(how),
+                 " before this ", toString(job.collective.desc.kind), " ran"))));
   }
   if (worker_.joinable()) {
     if (std::this_thread::get_id() == worker_.get_id()) {
@@ -184,8 +188,7 @@ void CpuExecutor::shutdown() {
   // at once instead of at their timeout. (A collective that was running has
   // told them already, with its own reason.)
   if (started_ && queue_->hooks.leave) {
-    queue_->hooks.leave(c10::str("rank ", rank_, " destroyed its process group",
-                                 dropped.empty() ? "" : " with collectives queued"));
+    queue_->hooks.leave(c10::str(ended, dropped.empty() ? "" : " with collectives queued"));
   }
 }
 

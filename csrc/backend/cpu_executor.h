@@ -63,7 +63,7 @@ class CpuExecutor final : public Executor {
   // then marks this rank as having given up, so peers waiting on it fail at
   // once. Safe from a future callback, which runs on the worker itself: the
   // worker is then joined later (joinStoppedWorkers()).
-  void shutdown() override;
+  void shutdown(Teardown how) override;
 
  private:
   struct Job {

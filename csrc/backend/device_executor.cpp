@@ -17,7 +17,16 @@ DeviceExecutor::DeviceExecutor(int rank, c10::Device device, std::chrono::millis
     : rank_(rank), device_(device), timeout_(timeout), stream_(device) {}
 
 DeviceExecutor::~DeviceExecutor() {
-  shutdown();
+  shutdown(Teardown::Destroyed);
+}
+
+void DeviceExecutor::shutdown(Teardown how) {
+  // An abort fails the group first, so that peers' kernels waiting on
+  // this rank exit and the peers read the abort as the reason.
+  if (how == Teardown::Aborted && monitor_ && !stopped_.load() && hooks_.onFailure) {
+    hooks_.onFailure(c10::str("rank ", rank_, " aborted its process group"));
+  }
+  stop(c10::str("the process group was ", pastTense(how)));
 }
 
 void DeviceExecutor::start(Hooks hooks) {

@@ -56,7 +56,7 @@ class DeviceExecutor final : public Executor {
   // Fails pending collectives and stops the monitor; true when any was
   // pending (the caller then aborts rather than ends gracefully).
   bool stop(const std::string& why);
-  void shutdown() override { stop("the process group was destroyed"); }
+  void shutdown(Teardown how) override;
 
   // A clean end for an engine whose peers read its memory: unless the group
   // failed, lets queued collectives finish (bounded by the timeout), then

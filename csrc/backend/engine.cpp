@@ -184,7 +184,10 @@ Engine::Engine(int rank, int size, c10::Device device, std::string transport,
   liveEngines();  // its fork handlers are in place before any fork can matter
 }
 
-void Engine::refuseIfForked(const char* call) const {
+void Engine::refuseIfUnusable(const char* call) const {
+  PYDDP_CHECK_COMM(!aborted(), "rank ", rank_, ": ", call, " on a process group that was "
+                   "aborted; make a new group (pyddp's ProcessGroup.shrink() and "
+                   "torch.distributed.shrink_group() make one of the ranks still alive)");
   PYDDP_CHECK(process::forkGeneration() == forkGeneration_, "rank ", rank_, ": ", call,
               ": this process group was made by process ", creatorPid_, ", of which process ",
               getpid(), " is a fork()ed child; a child owns none of its parent's groups "
@@ -194,14 +197,20 @@ void Engine::refuseIfForked(const char* call) const {
 
 void Engine::shutdown() {
   if (process::forkGeneration() != forkGeneration_) return;
-  shutDown();
+  shutDown(Teardown::Destroyed);
+}
+
+void Engine::abort() {
+  if (process::forkGeneration() != forkGeneration_) return;
+  aborted_.store(true, std::memory_order_release);
+  shutDown(Teardown::Aborted);
 }
 
 // --- pyddp's entry points: the front end -----------------------------------------
 
 WorkPtr Engine::allReduce(const at::Tensor& tensor, RedOp op, const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("all_reduce");
+  refuseIfUnusable("all_reduce");
   if (tensor.is_sparse()) return allReduceSparse(tensor, op, call);
   const DataType dtype = checks_.tensor(tensor, "all_reduce", "tensor");
   checks_.writable(tensor, "all_reduce", "tensor");
@@ -235,7 +244,7 @@ WorkPtr Engine::allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOp
 WorkPtr Engine::allGatherSingle(const at::Tensor& output, const at::Tensor& input,
                                 const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("all_gather_single");
+  refuseIfUnusable("all_gather_single");
   const DataType dtype =
       checks_.single("all_gather_single", output, input, /*outputIsWhole=*/true);
   const size_t count = input.numel();
@@ -251,7 +260,7 @@ WorkPtr Engine::allGatherSingle(const at::Tensor& output, const at::Tensor& inpu
 WorkPtr Engine::allGatherList(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                               const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("all_gather");
+  refuseIfUnusable("all_gather");
   const DataType dtype = checks_.tensor(input, "all_gather", "tensor");
   checks_.blockList(outputs, input, "all_gather", "tensor_list");
   const std::vector<at::Tensor> outs = dense(outputs);
@@ -262,7 +271,7 @@ WorkPtr Engine::allGatherList(const std::vector<at::Tensor>& outputs, const at::
 
 WorkPtr Engine::broadcastFrom(const at::Tensor& tensor, int64_t src, const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("broadcast");
+  refuseIfUnusable("broadcast");
   const DataType dtype = checks_.tensor(tensor, "broadcast", "tensor");
   checks_.writable(tensor, "broadcast", "tensor");
   checks_.root(src, "broadcast", "src");
@@ -276,7 +285,7 @@ WorkPtr Engine::broadcastFrom(const at::Tensor& tensor, int64_t src, const CallO
 WorkPtr Engine::reduceScatterSingle(const at::Tensor& output, const at::Tensor& input, RedOp op,
                                     const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("reduce_scatter_single");
+  refuseIfUnusable("reduce_scatter_single");
   const DataType dtype =
       checks_.single("reduce_scatter_single", output, input, /*outputIsWhole=*/false);
   checks_.op(op, dtype, "reduce_scatter_single");
@@ -291,14 +300,14 @@ WorkPtr Engine::reduceScatterSingle(const at::Tensor& output, const at::Tensor& 
 
 WorkPtr Engine::barrierAll(const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("barrier");
+  refuseIfUnusable("barrier");
   return runBarrier(describe(CollectiveKind::Barrier, 0, DataType::UInt8), call);
 }
 
 WorkPtr Engine::reduceTo(const at::Tensor& tensor, RedOp op, int64_t root,
                          const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("reduce");
+  refuseIfUnusable("reduce");
   const DataType dtype = checks_.tensor(tensor, "reduce", "tensor");
   checks_.writable(tensor, "reduce", "tensor");
   checks_.op(op, dtype, "reduce");
@@ -317,7 +326,7 @@ WorkPtr Engine::reduceTo(const at::Tensor& tensor, RedOp op, int64_t root,
 WorkPtr Engine::gatherTo(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
                          int64_t root, const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("gather");
+  refuseIfUnusable("gather");
   const DataType dtype = checks_.tensor(input, "gather", "tensor");
   checks_.root(root, "gather", "dst");
   if (root == rank_) {
@@ -336,7 +345,7 @@ WorkPtr Engine::gatherTo(const std::vector<at::Tensor>& outputs, const at::Tenso
 WorkPtr Engine::scatterFrom(const at::Tensor& output, const std::vector<at::Tensor>& inputs,
                             int64_t root, const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("scatter");
+  refuseIfUnusable("scatter");
   const DataType dtype = checks_.tensor(output, "scatter", "tensor");
   checks_.writable(output, "scatter", "tensor");
   checks_.root(root, "scatter", "src");
@@ -360,7 +369,7 @@ WorkPtr Engine::allToAllSingle(const at::Tensor& output, const at::Tensor& input
                                const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "all_to_all_single";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const ArgChecks::AllToAll a = checks_.allToAll(output, input, outputSplits, inputSplits, name);
   const at::Tensor out = dense(output);
   return runAllToAll(describe(CollectiveKind::AllToAll, static_cast<size_t>(a.row), a.dtype),
@@ -372,7 +381,7 @@ WorkPtr Engine::allToAllList(const std::vector<at::Tensor>& outputs,
                              const std::vector<at::Tensor>& inputs, const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "all_to_all";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const ArgChecks::AllToAll a = checks_.allToAllLists(outputs, inputs, name);
   std::vector<at::Tensor> flat;
   for (const auto& t : inputs) flat.push_back(t.reshape({-1}));
@@ -396,7 +405,7 @@ WorkPtr Engine::allReduceCoalesced(const std::vector<at::Tensor>& tensors, RedOp
                                    const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "all_reduce_coalesced";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const DataType dtype = checks_.sameType(tensors, name, "tensor", true);
   checks_.op(op, dtype, name);
   const Packed p = packAllReduce(tensors);
@@ -410,7 +419,7 @@ WorkPtr Engine::allGatherCoalesced(const std::vector<at::Tensor>& outputs,
                                    const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "all_gather_into_tensor_coalesced";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const DataType dtype = checks_.coalesced(outputs, inputs, name, /*outputIsWhole=*/true);
   const Packed p = packAllGather(outputs, inputs, size_);
   const size_t count = p.input.numel();
@@ -425,7 +434,7 @@ WorkPtr Engine::allGatherCoalescedLists(const std::vector<std::vector<at::Tensor
                                         const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "all_gather_coalesced";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const DataType dtype = checks_.coalescedLists(outputLists, inputs, name);
   const Packed p = packAllGatherLists(outputLists, inputs, size_);
   std::vector<at::Tensor> outputs;
@@ -442,7 +451,7 @@ WorkPtr Engine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
                                        const CallOptions& call) {
   const process::ExitGate gate;
   const char* name = "reduce_scatter_tensor_coalesced";
-  refuseIfForked(name);
+  refuseIfUnusable(name);
   const DataType dtype = checks_.coalesced(outputs, inputs, name, /*outputIsWhole=*/false);
   checks_.op(op, dtype, name);
   const Packed p = packReduceScatter(outputs, inputs, size_);
@@ -455,7 +464,7 @@ WorkPtr Engine::reduceScatterCoalesced(const std::vector<at::Tensor>& outputs,
 WorkPtr Engine::sendTo(const at::Tensor& tensor, int64_t dst, int64_t tag,
                        const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("send");
+  refuseIfUnusable("send");
   checks_.tensor(tensor, "send", "tensor");
   checks_.peer(dst, "send", "dst");
   checks_.tag(tag, "send");
@@ -465,7 +474,7 @@ WorkPtr Engine::sendTo(const at::Tensor& tensor, int64_t dst, int64_t tag,
 WorkPtr Engine::recvFrom(const at::Tensor& tensor, int64_t src, int64_t tag,
                          const CallOptions& call) {
   const process::ExitGate gate;
-  refuseIfForked("recv");
+  refuseIfUnusable("recv");
   checks_.tensor(tensor, "recv", "tensor");
   checks_.writable(tensor, "recv", "tensor");
   if (src != kAnySource) checks_.peer(src, "recv", "src");
@@ -476,7 +485,7 @@ WorkPtr Engine::recvFrom(const at::Tensor& tensor, int64_t src, int64_t tag,
 
 void Engine::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   const process::ExitGate gate;
-  refuseIfForked("monitored_barrier");
+  refuseIfUnusable("monitored_barrier");
   runMonitoredBarrier(opts, waitAllRanks);
 }
 

@@ -17,6 +17,7 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -140,6 +141,14 @@ class Engine : public RefusingBackend {
   // Idempotent; safe from a future callback. In a child of fork() it does
   // nothing: the group is the parent's.
   void shutdown() final;
+  // shutdown(), failing more and sooner: peers blocked on this rank fail at
+  // once (even in a collective this rank has done its part of), pending
+  // calls here fail, and every later call is refused, each saying the
+  // group was aborted. Safe from any thread while a call is in flight, and
+  // from a signal handler run inside a wait. Idempotent; a later
+  // shutdown() does nothing more.
+  void abort() final;
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // c10 calls it when the last strong reference goes while a weak one
   // remains (trackEngine's): the engine leaves the list of live engines,
   // so that it is destroyed now rather than at the next shutDownLiveEngines().
@@ -243,8 +252,8 @@ class Engine : public RefusingBackend {
   virtual WorkPtr runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
                           const CallOptions& call);
   virtual void runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks);
-  // What shutdown() does in the process that made the engine.
-  virtual void shutDown() = 0;
+  // What shutdown() and abort() do in the process that made the engine.
+  virtual void shutDown(Teardown how) = 0;
 
   // The executor that numbers this engine's collectives.
   virtual const Executor& executor() const = 0;
@@ -269,8 +278,8 @@ class Engine : public RefusingBackend {
 
  private:
   // The front end's first step on every call: refuses a call from a child
-  // of fork() (the group is the parent's).
-  void refuseIfForked(const char* call) const;
+  // of fork() (the group is the parent's), and a call after abort().
+  void refuseIfUnusable(const char* call) const;
   WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call);
   // torch.distributed's arguments: the one tensor of a per-process list,
   // and pyddp's operator for a c10d::ReduceOp.
@@ -282,6 +291,7 @@ class Engine : public RefusingBackend {
   const c10::intrusive_ptr<c10d::Store> store_;
   const uint64_t forkGeneration_;
   const int creatorPid_;
+  std::atomic<bool> aborted_{false};
 };
 
 // Every engine makeEngine() made that is still alive, for the exit hook:

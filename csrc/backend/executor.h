@@ -78,9 +78,10 @@ class Executor {
                       TransferRef /*transfer*/, FinishRef /*finish*/) {
     return false;
   }
-  // Fails queued collectives and ends a running one within milliseconds.
-  // Idempotent.
-  virtual void shutdown() = 0;
+  // Fails queued collectives and ends a running one within milliseconds,
+  // saying the group was `how`-ed; Aborted tells the peers first, so that
+  // what they hear is the abort. Idempotent.
+  virtual void shutdown(Teardown how) = 0;
 
   // How many collectives submit() has accepted. Counted when a collective
   // is issued, not when it runs, so every rank that made the same calls

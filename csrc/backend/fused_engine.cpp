@@ -118,21 +118,23 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
 }
 
 FusedEngine::~FusedEngine() {
-  shutDown();
+  shutDown(Teardown::Destroyed);
 }
 
 const Executor& FusedEngine::executor() const {
   return *executor_;
 }
 
-void FusedEngine::shutDown() {
+void FusedEngine::shutDown(Teardown how) {
   if (shutDown_.exchange(true)) return;
 #ifdef PYDDP_WITH_CUDA
-  if (deviceExec_) {
+  if (deviceExec_ && how == Teardown::Destroyed) {
     // Peers read this rank's device memory: collectives already queued
     // complete (as a destroy after dist.all_reduce(t) expects), then every
     // rank meets every other before the memory is freed. On failure the
-    // abort that follows ends what is left.
+    // abort that follows ends what is left. An abort ends them at once
+    // (the executor fails the group first); the memory stays mapped until
+    // the engine is destroyed.
     deviceExec_->retire([this](const CollectiveDesc& desc, Deadline deadline) {
       const device::FusedArgs a =
           argsFor(desc, device::Protocol::Barrier, nullptr, nullptr, 0, deadline.timeout);
@@ -148,7 +150,7 @@ void FusedEngine::shutDown() {
     });
   }
 #endif
-  executor_->shutdown();
+  executor_->shutdown(how);
   memory_->control().abort();
 }
 

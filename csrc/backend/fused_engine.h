@@ -61,7 +61,7 @@ class FusedEngine final : public Engine {
                            const at::Tensor& output, Results results,
                            const CallOptions& call) override;
   WorkPtr runBarrier(const CollectiveDesc& desc, const CallOptions& call) override;
-  void shutDown() override;
+  void shutDown(Teardown how) override;
 
  private:
   // One launch: `input` and `output` (contiguous; `count` as FusedArgs

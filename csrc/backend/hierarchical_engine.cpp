@@ -163,18 +163,23 @@ HierarchicalEngine::HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& st
 }
 
 HierarchicalEngine::~HierarchicalEngine() {
-  shutDown();
+  shutDown(Teardown::Destroyed);
 }
 
 const Executor& HierarchicalEngine::executor() const {
   return *executor_;
 }
 
-void HierarchicalEngine::shutDown() {
+void HierarchicalEngine::shutDown(Teardown how) {
   if (!executor_) return;
   stopping_.store(true, std::memory_order_relaxed);
-  executor_->shutdown();
-  if (localEngine_) localEngine_->shutdown();
+  executor_->shutdown(how);
+  if (!localEngine_) return;
+  if (how == Teardown::Aborted) {
+    localEngine_->abort();
+  } else {
+    localEngine_->shutdown();
+  }
 }
 
 std::string HierarchicalEngine::describeLayout() const {
@@ -215,7 +220,8 @@ void HierarchicalEngine::await(const WorkPtr& work, const char* what,
                       others(group, rank_), " was running"));
     }
     if (stopping_.load(std::memory_order_relaxed)) {
-      failed(c10::str("rank ", rank_, ": the process group was destroyed while ", what,
+      failed(c10::str("rank ", rank_, ": the process group was ",
+                      aborted() ? "aborted" : "destroyed", " while ", what,
                       " across hosts", others(group, rank_), " was running"));
     }
     if (now >= deadline_) {

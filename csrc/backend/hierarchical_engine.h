@@ -101,7 +101,7 @@ class HierarchicalEngine final : public Engine {
                   const CallOptions& call) override;
   // gloo's own, on the group of every rank.
   void runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
-  void shutDown() override;
+  void shutDown(Teardown how) override;
 
  private:
   // One composed collective: `run` does its steps on the executor's thread,

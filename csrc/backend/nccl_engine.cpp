@@ -66,14 +66,14 @@ NcclEngine::NcclEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
 }
 
 NcclEngine::~NcclEngine() {
-  shutDown();
+  shutDown(Teardown::Destroyed);
 }
 
-void NcclEngine::shutDown() {
+void NcclEngine::shutDown(Teardown how) {
   if (shutDown_.exchange(true)) return;
-  const bool pending = executor_->stop("the process group was destroyed");
+  const bool pending = executor_->stop(c10::str("the process group was ", pastTense(how)));
   if (!comm_) return;
-  if (pending) {
+  if (pending || how == Teardown::Aborted) {
     comm_->abort();
   } else {
     comm_->destroy(Clock::now() + std::min(timeout_, kFinalizeTimeout));

@@ -66,7 +66,7 @@ class NcclEngine final : public Engine {
   // Fails the collectives still running and ends the communicator
   // (gracefully when idle, else aborting it). Idempotent; the destructor
   // calls it.
-  void shutDown() override;
+  void shutDown(Teardown how) override;
 
  private:
   // Enqueues the collective's NCCL calls on `stream`; every host wait is

@@ -118,12 +118,14 @@ void RingEngine::abandon(const std::string& why) {
 }
 
 RingEngine::~RingEngine() {
-  shutDown();
+  shutDown(Teardown::Destroyed);
 }
 
-void RingEngine::shutDown() {
-  if (p2p_) p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : ""));
-  executor_->shutdown();
+void RingEngine::shutDown(Teardown how) {
+  if (p2p_) {
+    p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : "", how));
+  }
+  executor_->shutdown(how);
   if (transport_) transport_->abort();
   // Nothing drives the links any more: what they left in /dev/shm goes
   // now, not when the group is collected.

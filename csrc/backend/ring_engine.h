@@ -103,7 +103,7 @@ class RingEngine final : public Engine {
   // and queued ones fail. On a device whose peers read this rank's memory,
   // queued collectives finish first and every rank meets every other, so no
   // peer reads memory freed here. Idempotent; the destructor calls it.
-  void shutDown() override;
+  void shutDown(Teardown how) override;
 
  private:
   // Hands a collective to the executor: `transfer(const algorithms::Call&,

@@ -13,6 +13,16 @@ namespace pyddp {
 // Deadlines and waits.
 using Clock = std::chrono::steady_clock;
 
+// How a rank ends a group: destroyed (shutdown, destroy_process_group,
+// exit), which lets peers finish what this rank has done its part of; or
+// aborted (abort()), which fails everything pending here and every peer
+// waiting on this rank at once.
+enum class Teardown { Destroyed, Aborted };
+
+inline const char* pastTense(Teardown how) {
+  return how == Teardown::Aborted ? "aborted" : "destroyed";
+}
+
 enum class DataType : int32_t {
   Float32 = 0,
   Float64 = 1,

@@ -225,9 +225,11 @@ class MessageLink {
 // it knows of, a peer that exited (`dead`, from deadPeer()), then the
 // teardown itself, which would otherwise be all its peers hear of (they
 // hear of the teardown before they look at the dead rank themselves).
-inline std::string teardownReason(int rank, const std::string& dead) {
-  const std::string destroyed = "rank " + std::to_string(rank) + " destroyed its process group";
-  return dead.empty() ? destroyed : dead + "; then " + destroyed;
+inline std::string teardownReason(int rank, const std::string& dead,
+                                  Teardown how = Teardown::Destroyed) {
+  const std::string ended =
+      "rank " + std::to_string(rank) + " " + pastTense(how) + " its process group";
+  return dead.empty() ? ended : dead + "; then " + ended;
 }
 
 // Which of a transport's message links: the user's point-to-point
