@@ -155,6 +155,15 @@ void ControlPlane::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
                      " waited for rank ", peer);
   }
   failIfGaveUp(peer, std::numeric_limits<uint64_t>::max());
+  // A rank other than the one waited for that gave up in this collective
+  // (abort() gives up in the newest one it entered, done or not) or an
+  // earlier one will not finish it either: a waiter learns of it at its next
+  // look, not when the failure has travelled around the ring or at the
+  // deadline. One that left after this collective (failed > seq) has done
+  // its part of it.
+  for (int k = 0; k < worldSize_; ++k) {
+    if (k != rank_ && k != peer) failIfGaveUp(k, current_.seq, peer);
+  }
   PYDDP_CHECK_COMM(peerWasAlive, "rank ", peer, " (pid ", peers_[peer].pid,
                    ") exited; rank ", rank_, " was waiting for it in ", call);
   // The peer waited for may only be late; a rank that exited before it
@@ -185,12 +194,15 @@ void ControlPlane::failIfStuck(int peer, bool peerWasAlive, Clock::time_point no
                    " (every rank entered the collective)");
 }
 
-void ControlPlane::failIfGaveUp(int peer, uint64_t upTo) const {
+void ControlPlane::failIfGaveUp(int peer, uint64_t upTo, int waitedFor) const {
   const ControlHeader& h = header(peer);
   const uint64_t failedIn = h.failed.value.load(std::memory_order_acquire);
   if (failedIn != 0 && failedIn <= upTo) {
+    const std::string whom = waitedFor < 0 || waitedFor == peer
+        ? std::string("it")
+        : "rank " + std::to_string(waitedFor);
     PYDDP_CHECK_COMM(false, "rank ", peer, " gave up on collective #", failedIn,
-                     " while rank ", rank_, " waited for it in ", currentCall(), ": ",
+                     " while rank ", rank_, " waited for ", whom, " in ", currentCall(), ": ",
                      std::string(h.failureText, strnlen(h.failureText, kFailureTextBytes)));
   }
 }

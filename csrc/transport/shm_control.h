@@ -38,7 +38,11 @@
 //   waits on with failed != 0 (acquire) reads the text and fails too, so an
 //   error travels around the ring instead of every rank waiting out its
 //   deadline. A rank that gave up and then aborts its own waits reports its
-//   own failureText.
+//   own failureText. Every Backoff::kCheckPeriod a waiter also looks at
+//   the ranks it does not wait for: one with 0 < failed <= the waiter's
+//   seq will not finish this collective (abort() gives up in the newest
+//   one it entered, whether or not it did its part), so the waiter fails
+//   with its text; one with failed > seq left after doing its part.
 //
 // Liveness. Every wait spins, then yields, then sleeps (wait_policy.h), and
 //   every Backoff::kCheckPeriod looks at the peer's process and the
@@ -173,8 +177,9 @@ class ControlPlane {
   template <typename Ready>
   void waitFor(int peer, Clock::duration spinPhase, Ready&& ready);
   Clock::duration spinPhase() const { return spinPhase_; }
-  // Fails with the peer's reason if it gave up on a collective up to #upTo.
-  void failIfGaveUp(int peer, uint64_t upTo) const;
+  // Fails with the peer's reason if it gave up on a collective up to #upTo
+  // (`waitedFor`: the rank this one waits for, when not `peer`).
+  void failIfGaveUp(int peer, uint64_t upTo, int waitedFor = -1) const;
   // The collective of the newest enter(), and its bounds, for messages.
   const CollectiveDesc& current() const { return current_; }
   std::string currentCall() const;
