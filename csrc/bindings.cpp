@@ -28,6 +28,7 @@
 #include "backend/torch_backend.h"
 #include "common/check.h"
 #include "common/config.h"
+#include "common/host.h"
 #include "common/interrupt.h"
 #include "common/process_state.h"
 
@@ -619,6 +620,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "synchronous call on arguments it takes and returns None, and passes any other "
            "call on, as given, to `general`'s callable of its name.")
       .def("shutdown", &Engine::shutdown, release)
+      .def("abort", &Engine::abort, release,
+           "Fails every pending and later call on this engine, and peers waiting on this "
+           "rank at once, saying the group was aborted.")
+      .def_property_readonly("aborted", &Engine::aborted)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);
 
@@ -654,6 +659,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "groups of the \"pyddp\" backend among them (pyddp calls it at exit).");
   m.def("join_stopped_workers", &joinStoppedWorkers, release,
         "Joins CPU workers stopped from their own future callbacks (pyddp calls it at exit).");
+
+  // Where a rank runs, and whether it still does, for agreement on who is
+  // alive (pyddp/survival.py): a pid can be looked up only by a process on
+  // the same host and in the same pid namespace.
+  m.def("host_id", &hostId, "This machine's identity (the hostname and the boot id).");
+  m.def("pid_namespace", &pidNamespace, "This process's pid namespace.");
+  m.def("process_alive", &processAlive, py::arg("pid"),
+        "False once `pid` has exited (a zombie counts as exited).");
 
   m.def("backend_names", &backendNames, "The backend names this build serves.");
   m.def("device_types_of", &deviceTypesOf, py::arg("backend"),

@@ -99,6 +99,7 @@ from .torch_backend import register_torch_backend  # noqa: E402
 from .ddp import DistributedDataParallel  # noqa: E402
 from .registered import empty, is_registered  # noqa: E402
 from .rendezvous import local_rank  # noqa: E402
+from .survival import Agreement, agree, join, pending_joins  # noqa: E402
 
 
 def has_cuda() -> bool:
@@ -125,6 +126,7 @@ _configure_logging(_C.settings().get("PYDDP_DEBUG", ""))
 register_torch_backend()
 
 __all__ = [
+    "Agreement",
     "Algo",
     "BACKENDS",
     "DistributedDataParallel",
@@ -173,5 +175,8 @@ __all__ = [
     "register_torch_backend",
     "scatter",
     "send",
+    "agree",
+    "join",
+    "pending_joins",
     "__version__",
 ]

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, survival
 from .rendezvous import rendezvous
 
 logger = logging.getLogger("pyddp")
@@ -200,6 +200,14 @@ class ProcessGroup:
         # Subgroups made from this group so far: every rank of the group
         # makes them in the same order, so the count names the next one alike.
         self._subgroups = 0
+        # For survival.py: agreements, shrinks and admissions on this group so far
+        # (counted alike on every rank, as subgroups), the prefix of the group this
+        # one descends from by shrink and admit (where processes ask to join), and
+        # the join tickets admitted into that lineage.
+        self._rounds = 0
+        self._lineage = prefix
+        self._admitted = 0
+        survival.publish_member(store, prefix, rank)
         # The device types this group serves, and the engine of each so far:
         # the CPU's at once; a CUDA device's at once when the group serves
         # only CUDA tensors, else ("auto") at the first CUDA collective.
@@ -208,12 +216,18 @@ class ProcessGroup:
         self._cpu_engine: Optional[_C.Engine] = None
         self._engine_list: Tuple[_C.Engine, ...] = ()  # _engines' values, for barrier
         self._layout = ""
+        self._aborted = False
         if "cpu" in self._device_types:
             self._make_engine(torch.device("cpu"))
         else:
             self._make_engine(self._cuda_device())
 
     def _make_engine(self, device: torch.device) -> _C.Engine:
+        if self._aborted:
+            raise dist.DistBackendError(
+                f"pyddp: rank {self._rank}: a {device.type} collective on a process group "
+                "that was aborted; make a new group (ProcessGroup.shrink() makes one of the "
+                "ranks still alive)")
         store = dist.PrefixStore(f"{self._prefix}/{device.type}", self._store)
         engine, refusals, layout = _C.make_engine(store, self._rank, self._world_size,
                                                   self._options, device, self._kind)
@@ -623,6 +637,31 @@ class ProcessGroup:
         for engine in self._engines.values():
             engine.shutdown()
 
+    def abort(self) -> None:
+        """Aborts the group, as NCCL's ncclCommAbort: every pending and later call on it
+        fails at once on this rank, and every peer waiting on this rank fails within
+        milliseconds (even in a collective this rank has done its part of), each saying
+        the group was aborted. Safe from another thread while a collective is in flight
+        and from a signal handler; idempotent. The group's memory leaves /dev/shm as at
+        shutdown(). shrink() makes a group of the ranks still alive."""
+        self._aborted = True
+        for engine in self._engines.values():
+            engine.abort()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def shrink(self) -> "ProcessGroup":
+        """A new group of this group's ranks still alive, as ULFM's MPIX_Comm_shrink; every
+        survivor calls it (after a collective failed, say). See pyddp.survival.shrink."""
+        return survival.shrink(self)
+
+    def admit(self, pending: Optional[int] = None) -> "ProcessGroup":
+        """This group grown by the processes waiting in pyddp.join(), or this group when none
+        waits; every member calls it at the same point. See pyddp.survival.admit."""
+        return survival.admit(self, pending)
+
     def __del__(self) -> None:
         # Join the worker here, where the binding releases the GIL: a last
         # reference dropped elsewhere could join it with the GIL held while
@@ -658,6 +697,8 @@ def init_process_group(
                            "call pyddp.destroy_process_group() first")
     _default_group = create_group(backend, init_method, rank, world_size, timeout, store,
                                   options)
+    if _default_group.rank() == 0:
+        _default_group._store.set(survival.DEFAULT_LINEAGE_KEY, _default_group._prefix.encode())
     return _default_group
 
 

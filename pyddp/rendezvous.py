@@ -92,6 +92,29 @@ def _hosted_tcp_store(scheme: str, init_method: str, rank: Optional[int],
     return store, r, w
 
 
+def client_store(init_method: str, timeout: datetime.timedelta) -> dist.Store:
+    """The store of a running job, for a process that joins it (pyddp.join): a client of
+    its TCPStore for ``env://`` (MASTER_ADDR and MASTER_PORT) and ``tcp://host:port``, its
+    FileStore for ``file:///path`` (one that never removes the file: the job's ranks own
+    it)."""
+    scheme = init_method.split("://", 1)[0] if "://" in init_method else ""
+    url = urllib.parse.urlparse(init_method)
+    if scheme == "file":
+        return dist.FileStore(url.path)
+    if scheme == "env":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    elif scheme == "tcp":
+        host, port = url.hostname, url.port
+    else:
+        raise ValueError(
+            f"pyddp: init_method {init_method!r} is not env://, tcp://host:port or file:///path"
+        )
+    if not host or not port:
+        raise ValueError(f"pyddp: init_method {init_method!r} names no store address "
+                         "(env:// reads MASTER_ADDR and MASTER_PORT)")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
 def local_rank() -> int:
     """This process's rank on its host.
 

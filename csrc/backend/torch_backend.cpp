@@ -60,6 +60,7 @@ TorchBackend::TorchBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int 
     : RefusingBackend(rank, size, "the pyddp backend"),
       store_(std::move(store)),
       options_(options),
+      cpuBackend_(cpuBackend),
       crossHost_(std::move(crossHost)),
       onEngine_(std::move(onEngine)),
       cpu_([this, &cpuBackend] {
@@ -269,8 +270,39 @@ void TorchBackend::shutdown() {
   for (const auto& engine : engines()) engine->shutdown();
 }
 
+// torch.distributed's SHRINK_ABORT (distributed_c10d.py).
+constexpr int kShrinkAbort = 0x01;
+
+c10::intrusive_ptr<c10d::Backend> TorchBackend::shrink(
+    const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+    const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride) {
+  PYDDP_CHECK_TYPE(!optsOverride, "rank ", rank_, ": shrink_group: pg_options are not "
+                   "taken; the shrunk group keeps its parent's pyddp options");
+  int below = 0;
+  for (const int64_t r : ranksToExclude) {
+    PYDDP_CHECK(r != rank_, "rank ", rank_, ": shrink_group: this rank is among the ranks "
+                "to exclude; only the ranks that stay call it");
+    if (r < rank_) ++below;
+  }
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    n = shrinks_++;
+  }
+  if (shrinkFlags & kShrinkAbort) abort();
+  const auto store =
+      c10::make_intrusive<c10d::PrefixStore>("shrink" + std::to_string(n), store_);
+  return c10::make_intrusive<TorchBackend>(store, rank_ - below,
+                                           size_ - static_cast<int>(ranksToExclude.size()),
+                                           options_, cpuBackend_, crossHost_, onEngine_);
+}
+
 void TorchBackend::abort() {
-  shutdown();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutDown_ = true;
+  }
+  for (const auto& engine : engines()) engine->abort();
 }
 
 } // namespace pyddp

@@ -128,7 +128,20 @@ class TorchBackend final : public RefusingBackend {
   // An engine being made meanwhile is waited for (within the group's
   // timeout), then shut down too.
   void shutdown() override;
+  // The same, through Engine::abort: peers blocked on this rank fail at once.
   void abort() override;
+
+  // torch.distributed.shrink_group: a backend of this group's ranks but
+  // `ranksToExclude`, renumbered in their order, with this one's options and
+  // backend name, meeting on a store of its own under this one's
+  // ("shrink<n>/", n counting this backend's shrinks alike on every rank).
+  // Every survivor calls it with the same list; with SHRINK_ABORT this
+  // backend is aborted first, so that a survivor still blocked in it fails
+  // at once. pyddp finds the ranks to exclude itself (ProcessGroup.shrink).
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+      const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride) override;
 
  private:
   // The engine of the one device of `tensors` (tensors, lists of them,
@@ -141,6 +154,7 @@ class TorchBackend final : public RefusingBackend {
 
   const c10::intrusive_ptr<c10d::Store> store_;
   const RingOptions options_;
+  const std::string cpuBackend_;
   const CrossHostFactory crossHost_;
   const EngineListener onEngine_;
   const c10::intrusive_ptr<Engine> cpu_;
@@ -154,6 +168,8 @@ class TorchBackend final : public RefusingBackend {
   // Why the CUDA engine could not be made; raised by every later CUDA call.
   std::exception_ptr cudaFailure_;
   bool shutDown_ = false;
+  // shrink()s so far.
+  int shrinks_ = 0;
   // cudaOwner_'s engine once it serves, for calls that take no lock.
   std::atomic<Engine*> cuda_{nullptr};
 };
