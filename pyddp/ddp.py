@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import bucketing
+from . import bucketing, survival
 from .ddp_groups import DDPGroup, TorchGroup, resolve
 from .process_group import ProcessGroup, ReduceOp
 from .reducer import CommHook, GradBucket, Reducer, error_message
@@ -40,6 +42,8 @@ BROADCAST_ALIGN = 64
 """Byte alignment of each tensor in a coalesced broadcast: enough for every dtype."""
 
 _MIB = 1024 * 1024
+
+logger = logging.getLogger("pyddp")
 
 
 class DistributedDataParallel(nn.Module):
@@ -65,6 +69,24 @@ class DistributedDataParallel(nn.Module):
             stays None); one used on some ranks gets the average on all.
         gradient_as_bucket_view: make each ``param.grad`` a view into its
             bucket, so no gradient is copied after the all-reduce.
+        on_rank_failure: "raise" (as torch's DDP: a failed gradient all-reduce raises
+            out of ``backward()``), or "shrink": training goes on without lost ranks
+            (pyddp/survival.py). Then the loop asks ``should_commit()`` after each
+            backward and applies the step only when it says so::
+
+                loss_fn(model(x), y).backward()
+                if model.should_commit():
+                    optimizer.step()
+                optimizer.zero_grad()
+
+            A step whose gradient all-reduce failed on any rank is applied on no rank
+            (or on every survivor, when a rank already applied it); the survivors shrink
+            the group, and the average follows the new world size. Processes that call
+            ``pyddp.join()`` are admitted before the next forward, and receive the
+            parameters, buffers and ``optimizer``'s state from rank 0. Needs a pyddp
+            group whose store outlives every rank.
+        optimizer: with on_rank_failure="shrink", the optimizer whose state a joining
+            rank receives (None: no optimizer state is sent).
     """
 
     def __init__(self, module: nn.Module,
@@ -73,7 +95,8 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers: bool = True,
                  process_group: Optional[Union[ProcessGroup, dist.ProcessGroup]] = None,
                  bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False) -> None:
+                 gradient_as_bucket_view: bool = False, on_rank_failure: str = "raise",
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         super().__init__()
         self.module = module
         # The group as DDP calls it, and as the user knows it.
@@ -81,6 +104,18 @@ class DistributedDataParallel(nn.Module):
         self.process_group = (self._group.group if isinstance(self._group, TorchGroup)
                               else self._group)
         self._rank = self._group.rank()
+        if on_rank_failure not in ("raise", "shrink"):
+            raise ValueError(self._error(f"on_rank_failure must be 'raise' or 'shrink', got "
+                                         f"{on_rank_failure!r}"))
+        if on_rank_failure == "shrink" and not isinstance(self._group, ProcessGroup):
+            raise ValueError(self._error("on_rank_failure='shrink' needs a pyddp process group "
+                                         "(pyddp.init_process_group or pyddp.join)"))
+        self._survive = on_rank_failure == "shrink"
+        self._optimizer = optimizer
+        # Steps committed so far (the same on every rank), and processes to admit before
+        # the next forward.
+        self._committed = 0
+        self._joins = 0
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(self._error("the module has no parameter that requires a gradient; "
@@ -97,11 +132,7 @@ class DistributedDataParallel(nn.Module):
         self._last_forward_synced = True
 
         self._check_same_model_on_every_rank()
-        with torch.no_grad():
-            states = [p for _, p in module.named_parameters()]
-            if broadcast_buffers:
-                states += [b for _, b in module.named_buffers()]
-            self._broadcast_from_rank0(states)
+        self._sync_state()
 
         if bucket_cap_mb is None:
             cap, first_cap = bucketing.DEFAULT_CAP_BYTES, bucketing.DEFAULT_FIRST_CAP_BYTES
@@ -120,6 +151,7 @@ class DistributedDataParallel(nn.Module):
                                            sparse)
         self.reducer = Reducer(params, [name for name, _ in named], buckets, self._group,
                                find_unused_parameters, gradient_as_bucket_view, sparse)
+        self.reducer.tolerate_failures = self._survive
 
     def _error(self, message: str) -> str:
         return error_message(self._rank, message)
@@ -169,6 +201,102 @@ class DistributedDataParallel(nn.Module):
                     "must construct the same model (same parameters in the same order, with "
                     "the same shapes and dtypes)"))
 
+    def _sync_state(self) -> None:
+        """Copies rank 0's parameters and buffers to every rank; with on_rank_failure=
+        "shrink" also its optimizer's state and its count of committed steps. A joining
+        rank's constructor and the members' admission run it alike."""
+        with torch.no_grad():
+            states = [p for _, p in self.module.named_parameters()]
+            if self.broadcast_buffers:
+                states += [b for _, b in self.module.named_buffers()]
+            self._broadcast_from_rank0(states)
+        if not self._survive:
+            return
+        payload = b""
+        if self._rank == 0 and self._optimizer is not None:
+            out = io.BytesIO()
+            torch.save(self._optimizer.state_dict(), out)
+            payload = out.getvalue()
+        header = torch.tensor([len(payload), self._committed], dtype=torch.int64)
+        self._group.broadcast(header, 0)
+        self._committed = int(header[1])
+        if int(header[0]) == 0:
+            return
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self._rank == 0
+                else torch.empty(int(header[0]), dtype=torch.uint8))
+        self._group.broadcast(data, 0)
+        if self._rank != 0 and self._optimizer is not None:
+            self._optimizer.load_state_dict(
+                torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))
+
+    # --- surviving lost ranks (on_rank_failure="shrink") -------------------------
+
+    def should_commit(self) -> bool:
+        """With on_rank_failure="shrink", after each backward: whether every rank's
+        gradients were averaged, so that the caller applies the step (optimizer.step()),
+        the same answer on every rank. On a failure the survivors agree whether any of
+        them had already applied this step (then all apply it), shrink the group and go on
+        with it; a lost rank costs the step that failed, not a restart."""
+        if not self._survive:
+            raise RuntimeError(self._error("should_commit() needs on_rank_failure='shrink'"))
+        failure = self.reducer.take_failure()
+        group = self._group
+        if failure is None:
+            # [gradients averaged here, processes waiting to join (rank 0's count)]
+            votes = torch.tensor([1, survival.pending_joins(group) if self._rank == 0 else 0],
+                                 dtype=torch.int64)
+            try:
+                group.all_reduce(votes)
+            except Exception as error:
+                failure = error
+            else:
+                if int(votes[0]) == group.size():
+                    self._committed += 1
+                    self._joins = int(votes[1])
+                    return True
+                failure = RuntimeError("another rank's gradient all-reduce failed")
+        return self._recover(failure)
+
+    @property
+    def committed_steps(self) -> int:
+        """With on_rank_failure="shrink": the steps should_commit() has committed, the same
+        on every rank (a joining rank receives it)."""
+        return self._committed
+
+    def _recover(self, failure: BaseException) -> bool:
+        group = self._group
+        logger.warning("%s", self._error(f"step {self._committed + 1} failed ({failure}); "
+                                         "shrinking the group to the ranks still alive"))
+        # Aborted first: a peer still blocked in this group fails at once and joins in.
+        group.abort()
+        # A rank whose commit completed applied the step before it learnt of the loss.
+        applied = survival.agree_max(group, self._committed) > self._committed
+        new = group.shrink()
+        if applied:
+            self._committed += 1
+        self._use_group(new)
+        self._joins = 0
+        return applied
+
+    def _use_group(self, group: ProcessGroup) -> None:
+        self._group = group
+        self.process_group = group
+        self._rank = group.rank()
+        self.reducer.set_group(group)
+
+    def admit(self) -> bool:
+        """With on_rank_failure="shrink": admits the processes that the last should_commit()
+        found waiting to join (pyddp.join), and sends them the state to start from; whether
+        any was. forward() calls it first; call it before a forward where the group's size
+        matters (each rank's share of a batch)."""
+        if not self._joins:
+            return False
+        joins, self._joins = self._joins, 0
+        self._use_group(self._group.admit(joins))
+        self._check_same_model_on_every_rank()
+        self._sync_state()
+        return True
+
     def _broadcast_from_rank0(self, tensors: List[torch.Tensor]) -> None:
         """Copies rank 0's ``tensors`` to every rank, in coalesced byte chunks."""
         chunk: List[torch.Tensor] = []
@@ -204,10 +332,16 @@ class DistributedDataParallel(nn.Module):
     # --- training ----------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.admit()
         buffers = [b for _, b in self.module.named_buffers()]
         if self.broadcast_buffers and self._last_forward_synced and buffers:
-            with torch.no_grad():
-                self._broadcast_from_rank0(buffers)
+            try:
+                with torch.no_grad():
+                    self._broadcast_from_rank0(buffers)
+            except Exception as error:
+                if not self._survive:
+                    raise
+                self.reducer.note_failure(error)
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)

@@ -172,6 +172,11 @@ class Reducer:
         self._locally_used = [0] * len(self._params)
         self._expect_hooks = False
         self._unreachable: List[int] = []
+        # DistributedDataParallel(on_rank_failure="shrink"): a failed collective is kept
+        # here (the first one of the backward) instead of raised out of backward(); the
+        # backward's remaining buckets are not launched, and take_failure() hands it over.
+        self.tolerate_failures = False
+        self._failure: Optional[BaseException] = None
         self._reset_backward()
         self.last_wait_seconds = 0.0
         # The hooks hold the reducer weakly: dropping the DDP wrapper drops
@@ -246,7 +251,34 @@ class Reducer:
 
     # --- during backward --------------------------------------------------------
 
+    def set_group(self, group: DDPGroup) -> None:
+        """Reduces over ``group`` from the next backward on (a group shrunk or grown)."""
+        self._group = group
+        self._rank = group.rank()
+        self._failure = None
+        self._expect_hooks = False
+        self._reset_backward()
+
+    def note_failure(self, error: BaseException) -> None:
+        """Keeps ``error`` (the first of a step) for take_failure()."""
+        if self._failure is None:
+            self._failure = error
+
+    def take_failure(self) -> Optional[BaseException]:
+        """The failure kept since the last call, if any; clears it."""
+        failure, self._failure = self._failure, None
+        return failure
+
     def _on_grad_ready(self, index: int) -> None:
+        if not self.tolerate_failures:
+            self._grad_ready(index)
+            return
+        try:
+            self._grad_ready(index)
+        except Exception as error:
+            self.note_failure(error)
+
+    def _grad_ready(self, index: int) -> None:
         if self._find_unused and self._params[index].grad is not None:
             self._locally_used[index] = 1
         if not self._expect_hooks:
@@ -315,6 +347,8 @@ class Reducer:
         return grad.clone() if self._hook is not None else grad / self._group.size()
 
     def _launch_ready_buckets(self) -> None:
+        if self._failure is not None:
+            return
         last = len(self._buckets) - 1
         while self._next_bucket <= last and self._buckets[self._next_bucket].pending == 0:
             b = self._next_bucket
@@ -348,6 +382,21 @@ class Reducer:
 
     def _finalize(self) -> None:
         """Runs when autograd finishes the synchronised backward."""
+        if not self.tolerate_failures:
+            self._finalize_backward()
+            return
+        try:
+            if self._failure is not None:
+                self._drain_launched()
+            else:
+                self._finalize_backward()
+        except Exception as error:
+            self.note_failure(error)
+        finally:
+            self._expect_hooks = False
+            self._reset_backward()
+
+    def _finalize_backward(self) -> None:
         try:
             missing = [i for i, ready in enumerate(self._ready) if not ready]
             if missing and not self._find_unused:
