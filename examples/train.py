@@ -36,7 +36,9 @@ why. A checkpoint saved on one device loads on the other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyddp import devices
-from pyddp._launch import LaunchError, Rendezvous, spawn
+from pyddp._launch import Job, LaunchError, RankFailed, Rendezvous, spawn
 
 TIMEOUT_S = 300
 """Bound on a whole run of the spawned ranks: the default 15 epochs, start-up included,
@@ -86,33 +88,36 @@ def load_digits(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.device,
           local_world_size: int) -> float:
     """Trains on this rank, on ``device``; returns the final test accuracy (the same on every
-    rank). ``local_world_size``: the ranks on this rank's host."""
+    rank). ``local_world_size``: the ranks on this rank's host. With ``--survive`` the group
+    may shrink and grow while it trains (``rank`` and ``world_size`` are the start's), and a
+    process that joins calls it with ``rank`` -1."""
     import pyddp
     from pyddp.ddp import DistributedDataParallel
 
     torch.set_num_threads(1)  # one core per rank on a small machine
     torch.manual_seed(args.seed)
+    replacement = rank < 0
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(args.seed))
     # Initialised on the CPU, then moved: every device starts from the same parameters.
     model: nn.Module = DigitsCNN().to(device)
-    ddp: Optional[DistributedDataParallel] = None
-    if world_size > 1:
-        ddp = DistributedDataParallel(model)
-        model = ddp
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ddp: Optional[DistributedDataParallel] = None
+    if world_size > 1 or rank < 0:
+        ddp = DistributedDataParallel(model, on_rank_failure="shrink" if args.survive else
+                                      "raise", optimizer=optimizer)
+        model = ddp
     done = _resume(args.checkpoint, model, optimizer, device)
-    if args.batch_size % world_size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the "
-                         f"{world_size} ranks")
-    local_batch = args.batch_size // world_size
     steps = len(y_train) // args.batch_size
+    # The position in training: steps applied (with --survive, as the group agreed: a
+    # process that joins receives it).
+    position = (lambda: ddp.committed_steps + done) if args.survive else None
     show = rank == 0
     if show:
         where = ("" if device.type == "cpu" else
                  f", on {device.type} ({torch.cuda.device_count()} GPU(s), "
                  f"{torch.cuda.get_device_name(device)})")
         print(f"digits: {len(y_train)} train / {len(y_test)} test images; {world_size} "
-              f"rank(s), global batch {args.batch_size} ({local_batch} per rank), "
+              f"rank(s), global batch {args.batch_size}, "
               f"{sum(p.numel() for p in model.parameters())} parameters{where}", flush=True)
         note = (devices.sharing_note(local_world_size, torch.cuda.device_count())
                 if device.type == "cuda" else None)
@@ -124,46 +129,84 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     if bar is not None:
         bar.update(done)
     accuracy = 0.0
-    for epoch in range(done // steps, args.epochs):
-        # Every rank draws the same permutation and takes its slice of each global batch.
+    finished = done if position is None else position()
+    while finished < args.epochs * steps:
+        epoch = finished // steps
+        # Every rank draws the same permutation and takes its share of each global batch.
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(
             args.seed * 1000 + epoch)).to(device)
         model.train()
-        loss_sum, comm_wait, start = 0.0, 0.0, time.perf_counter()
-        first = done - epoch * steps if epoch == done // steps else 0
-        for step in range(first, steps):
+        loss_sum, samples, comm_wait, start = 0.0, 0, 0.0, time.perf_counter()
+        first = finished
+        while finished < (epoch + 1) * steps:
+            if args.survive:
+                if ddp.admit() and ddp.process_group.rank() == 0:
+                    _write(bar, f"step {finished + 1}: a process joined; going on with "
+                                f"{ddp.process_group.size()} ranks")
+                if finished == args.kill_at and ddp.process_group.rank() == args.kill_rank \
+                        and not replacement:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the demonstration's lost rank
+            rank, world_size = _place(ddp, rank, world_size)
+            step = finished - epoch * steps
             batch = order[step * args.batch_size:(step + 1) * args.batch_size]
-            mine = batch[rank * local_batch:(rank + 1) * local_batch]
-            loss = F.cross_entropy(model(x_train[mine]), y_train[mine])
+            mine = batch[_share(args.batch_size, rank, world_size)]
+            # The mean over the global batch, whatever each rank's share: the sum of this
+            # rank's losses / the global batch, times the ranks DDP averages over.
+            loss = F.cross_entropy(model(x_train[mine]), y_train[mine], reduction="sum")
+            (loss * world_size / args.batch_size).backward()
+            applied = ddp.should_commit() if args.survive else True
+            if applied:
+                optimizer.step()
             optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            if args.survive and ddp.process_group.size() < world_size \
+                    and ddp.process_group.rank() == 0:
+                _write(bar, f"step {finished + 1}: a rank was lost; going on with "
+                            f"{ddp.process_group.size()} rank(s)"
+                            f"{'' if applied else ', the step done again'}")
+            if not applied:
+                continue
             if ddp is not None:
                 comm_wait += ddp.last_comm_wait_seconds
             loss_sum += loss.item()
+            samples += len(mine)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
-            finished = epoch * steps + step + 1
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item() / len(mine):.3f}")
+            finished = finished + 1 if position is None else position()
             if args.checkpoint and rank == 0 and finished % args.checkpoint_every == 0:
                 _save(args.checkpoint, model, optimizer, finished)
         elapsed = time.perf_counter() - start
-        mean_loss = _mean_over_ranks(loss_sum / (steps - first), world_size)
+        rank, world_size = _place(ddp, rank, world_size)
+        loss_sum, samples = _sum_over_ranks(torch.tensor([loss_sum, samples],
+                                                         dtype=torch.float64), world_size)
         accuracy = _test_accuracy(model, x_test, y_test, rank, world_size)
-        if show:
-            line = (f"epoch {epoch + 1:2d}/{args.epochs}  loss {mean_loss:.4f}  "
+        if rank == 0:
+            line = (f"epoch {epoch + 1:2d}/{args.epochs}  loss {loss_sum / samples:.4f}  "
                     f"test accuracy {100 * accuracy:5.2f}%  "
-                    f"{steps * args.batch_size / elapsed:8.0f} samples/s")
+                    f"{(finished - first) * args.batch_size / elapsed:8.0f} samples/s")
             if ddp is not None:
                 line += f"  waiting on communication {100 * comm_wait / elapsed:4.1f}% of step time"
             _write(bar, line)
     if bar is not None:
         bar.close()
-    if show:
+    if rank == 0:
         print(f"final test accuracy: {100 * accuracy:.2f}% ({world_size} rank(s))", flush=True)
-    if world_size > 1:
+    if ddp is not None:
         pyddp.destroy_process_group()
     return accuracy
+
+
+def _place(ddp, rank: int, world_size: int) -> Tuple[int, int]:
+    """This rank's rank and the world size now (they change when the group shrinks or
+    grows)."""
+    if ddp is None:
+        return rank, world_size
+    return ddp.process_group.rank(), ddp.process_group.size()
+
+
+def _share(batch_size: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s part of a global batch: the ranks' parts differ by at most one."""
+    return slice(batch_size * rank // world_size, batch_size * (rank + 1) // world_size)
 
 
 def _resume(directory: Optional[str], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -200,20 +243,17 @@ def _test_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int
         mine = slice(rank, len(y), world_size)
         # Summed on the CPU, as the losses are, whatever the device.
         correct = (model(x[mine]).argmax(1) == y[mine]).sum().to("cpu", torch.float64)
-    return _sum_over_ranks(correct, world_size) / len(y)
+    return _sum_over_ranks(correct, world_size)[0] / len(y)
 
 
-def _sum_over_ranks(value: torch.Tensor, world_size: int) -> float:
+def _sum_over_ranks(value: torch.Tensor, world_size: int) -> List[float]:
+    """``value``'s elements, each summed over the ranks."""
+    value = value.reshape(-1).clone()
     if world_size > 1:
         import pyddp
 
-        value = value.reshape(1).clone()
         pyddp.all_reduce(value)
-    return float(value.sum())
-
-
-def _mean_over_ranks(value: float, world_size: int) -> float:
-    return _sum_over_ranks(torch.tensor(value, dtype=torch.float64), world_size) / world_size
+    return value.tolist()
 
 
 def _progress(show: bool, total: int):
@@ -250,16 +290,52 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.N
     train(rank, world_size, args, device, world_size)
 
 
+def _joining_rank(_: int, init_method: str, args: argparse.Namespace) -> None:
+    import pyddp
+
+    pyddp.join(init_method, backend=devices.GROUP_BACKEND[args.device])
+    print("a replacement rank asked to join; it joins at the next step", flush=True)
+    train(-1, 0, args, _rank_device(args.device, 0, 1), 1)
+
+
 def _start_ranks(world_size: int, args: argparse.Namespace) -> int:
-    """Starts ``world_size`` ranks that meet through a file:// store; their worst exit code."""
-    with Rendezvous(prefix="pyddp-train-") as rendezvous:
-        job = spawn(_spawned_rank, world_size, (world_size, rendezvous.init_method(), args))
+    """Starts ``world_size`` ranks that meet through a file:// store; their worst exit code.
+    With --survive, the first rank that dies is replaced by a new process that joins the
+    others, and the dead rank's exit code does not count."""
+    with Rendezvous(prefix="pyddp-train-") as rendezvous, contextlib.ExitStack() as jobs:
+        init_method = rendezvous.init_method()
+        job = jobs.enter_context(spawn(_spawned_rank, world_size,
+                                       (world_size, init_method, args)))
+        replacement: Optional[Job] = None
+        lost: set = set()
         try:
-            with job:
-                job.wait(TIMEOUT_S)
+            deadline = time.monotonic() + TIMEOUT_S
+            while not (job.poll(lost) and (replacement is None or replacement.poll())):
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"the ranks still run after {TIMEOUT_S} s")
+                time.sleep(0.05)
+        except RankFailed as error:
+            if not args.survive or error.rank is None or replacement is not None:
+                print(f"train.py: {error}", file=sys.stderr, flush=True)
+                return error.exitcode or 1
+            lost.add(error.rank)
+            print(f"train.py: {error}; starting a replacement", flush=True)
+            replacement = jobs.enter_context(spawn(_joining_rank, 1, (init_method, args)))
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                while not (job.poll(lost) and replacement.poll()):
+                    if time.monotonic() > deadline:
+                        raise LaunchError(f"the ranks still run after {TIMEOUT_S} s")
+                    time.sleep(0.05)
+            except LaunchError as failure:
+                print(f"train.py: {failure}", file=sys.stderr, flush=True)
+                return 1
         except LaunchError as error:
             print(f"train.py: {error}", file=sys.stderr, flush=True)
-    return max((code or 0 for code in job.exitcodes()), key=abs)
+            return 1
+        codes = [code for rank, code in enumerate(job.exitcodes()) if rank not in lost]
+        codes += replacement.exitcodes() if replacement is not None else []
+    return max((code or 0 for code in codes), key=abs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -274,6 +350,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", metavar="DIR", default=None,
                         help="save to DIR every --checkpoint-every steps and resume from it")
     parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
+    parser.add_argument("--survive", action="store_true",
+                        help="keep training when a rank dies: the others go on without it "
+                             "(pyddp.DistributedDataParallel(on_rank_failure='shrink')) and "
+                             "a replacement this script starts joins them (not under torchrun, "
+                             "which ends every rank when one fails)")
+    parser.add_argument("--kill-rank", type=int, default=None, metavar="R",
+                        help="with --survive, for a demonstration: rank R kills itself "
+                             "(SIGKILL) at step --kill-at")
+    parser.add_argument("--kill-at", type=int, default=None, metavar="STEP")
     parser.add_argument("--device", choices=devices.DEVICE_CHOICES, default="cpu",
                         help="where to train: cpu (default), cuda (rank r on GPU "
                              "LOCAL_RANK %% device count), or auto (cuda where it can "
@@ -285,6 +370,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.survive and (torchrun or args.nproc < 2):
+        parser.error("--survive needs 2 or more ranks that this script starts (torchrun ends "
+                     "every rank when one fails)")
+    if (args.kill_rank is None) != (args.kill_at is None) or (
+            args.kill_rank is not None and not args.survive):
+        parser.error("--kill-rank and --kill-at go together, with --survive")
     try:
         # Decided before any rank or group starts; the ranks get "cpu" or "cuda".
         ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
