@@ -28,6 +28,7 @@ from pyddp.bench.worker import DTYPES, Event, Launch, Plan, launched_rank
 SUBCOMMANDS = {
     "ddp": ("pyddp.bench.ddp", "the DDP benchmark"),
     "soak": ("pyddp.bench.soak", "the soak (resources over minutes of mixed work)"),
+    "recovery": ("pyddp.bench.recovery", "what a lost rank costs a DDP job that survives it"),
 }
 """``python -m pyddp.bench NAME``: the module that runs NAME (imported only then), and what
 it is."""
