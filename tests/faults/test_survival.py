@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import pyddp
+from pyddp import _launch
 from harness import Died, RankContext, Ranks
+from hosts import HostRanks
 from pyddp import survival
 from shm_groups import named_group
 
@@ -239,5 +241,47 @@ def test_a_new_process_joins_the_survivors():
         total = 1.0 + 2.0 + 10.0
         assert results[0] == (0, 3, total) and results[1] == (1, 3, total), results
         assert results[3] == (2, 3, total), results[3]
+    finally:
+        pool.close()
+
+
+# --- across simulated hosts (tests/support/hosts.py) -----------------------------------
+
+HOSTS_SKIP = _launch.simulated_hosts_unavailable()
+# A host lost whole is found only at the timeout (no rank is left to look at its pids).
+HOST_TIMEOUT = datetime.timedelta(seconds=8)
+
+
+def _across_hosts(ctx: RankContext, victims: tuple) -> tuple:
+    store = dist.FileStore(ctx.store_path(f"hosts-{len(victims)}"), ctx.world_size)
+    pg = pyddp.new_group("auto", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                         timeout=HOST_TIMEOUT)
+    _total(pg, 1.0)
+    if ctx.rank in victims:
+        _kill_self()
+    try:
+        pg.all_reduce(torch.ones(1000))
+        raise AssertionError("the collective did not fail")
+    except dist.DistBackendError:
+        pass
+    new = pg.shrink()
+    return new.rank(), new.size(), new.transports()["cpu"], _total(new, ctx.rank + 1.0)
+
+
+@pytest.mark.skipif(HOSTS_SKIP is not None, reason=f"simulated hosts: {HOSTS_SKIP}")
+@pytest.mark.parametrize("victims", [(3,), (2, 3)], ids=["one-rank", "a-whole-host"])
+def test_survivors_across_hosts_shrink(victims):
+    pool = HostRanks(["a", "a", "b", "b"])
+    try:
+        results = pool.run_each([_across_hosts] * 4, victims, allow_dead=True, timeout=120)
+        assert all(isinstance(results[r], Died) for r in victims), results
+        survivors = [r for r in range(4) if r not in victims]
+        total = float(sum(r + 1 for r in survivors))
+        for new_rank, rank in enumerate(survivors):
+            got_rank, size, transport, got_total = results[rank]
+            assert (got_rank, size, got_total) == (new_rank, len(survivors), total), (
+                results[rank])
+            # Two hosts left: shm inside each and gloo between; one host: shm alone.
+            assert ("gloo" in transport) == (len(victims) == 1), transport
     finally:
         pool.close()
