@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import pyddp
 from pyddp import _launch
+from pyddp.bench.soak import read_resources
 from harness import Died, RankContext, Ranks
 from hosts import HostRanks
 from pyddp import survival
@@ -57,6 +58,7 @@ def _victim(ctx: RankContext, name: str, during: str) -> None:
 
 
 def _survivor(ctx: RankContext, name: str, during: str) -> tuple:
+    before = read_resources()
     pg = named_group(ctx, name, timeout=TIMEOUT)
     _total(pg, 1.0)
     start = time.monotonic()
@@ -69,7 +71,14 @@ def _survivor(ctx: RankContext, name: str, during: str) -> tuple:
     detected = time.monotonic() - start
     new = pg.shrink()
     recovered = time.monotonic() - start
-    return failed, detected, recovered, new.rank(), new.size(), _total(new, ctx.rank + 1.0)
+    result = (failed, detected, recovered, new.rank(), new.size(), _total(new, ctx.rank + 1.0))
+    # Nothing of either group is left once both are gone.
+    new.shutdown()
+    del ctx.groups[name], pg, new
+    after = read_resources()
+    assert (after.shm_mapped_bytes, after.fds, after.threads) == (
+        before.shm_mapped_bytes, before.fds, before.threads), (before, after)
+    return result
 
 
 @pytest.mark.parametrize("during", ["all_reduce", "barrier"])
