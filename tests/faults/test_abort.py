@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pyddp
 from harness import RankContext, raises
 from pyddp.bench.soak import read_resources
 from shm_groups import named_group
@@ -166,3 +167,28 @@ def _torch_shrink_group(ctx: RankContext) -> tuple:
 def test_torch_shrink_group_on_a_pyddp_group(three):
     results = three.run(_torch_shrink_group, timeout=90)
     assert results == [(0, 2, 2, 4.0), None, (1, 2, 2, 4.0)], results
+
+
+def _abort_while_a_peer_waits(ctx: RankContext, backend: str) -> tuple:
+    # The emulated backend runs the GPU's fused collectives on CPU threads
+    # (csrc/device/): its abort is the fused engine's.
+    pg = pyddp.create_group(backend, store=dist.FileStore(ctx.store_path(f"wait-{backend}"), 2),
+                            rank=ctx.rank, world_size=2, timeout=TIMEOUT)
+    pg.barrier()
+    if ctx.rank == 0:
+        time.sleep(0.5)  # rank 1 waits in its all_reduce meanwhile
+        pg.abort()
+        return raises(dist.DistBackendError, "aborted", pg.all_reduce, torch.ones(10)), 0.0
+    start = time.monotonic()
+    message = raises(dist.DistBackendError, ".", pg.all_reduce, torch.ones(1000))
+    elapsed = time.monotonic() - start
+    pg.shutdown()
+    return message, elapsed
+
+
+@pytest.mark.parametrize("backend", ["shm", "emulated"])
+def test_a_peer_waiting_on_an_aborted_rank_fails_at_once(two, backend):
+    (mine, _), (peer, elapsed) = two.run(_abort_while_a_peer_waits, backend, timeout=90)
+    assert "aborted" in mine, mine
+    assert "rank 0 aborted its process group" in peer, peer
+    assert elapsed < BOUND_S, elapsed
