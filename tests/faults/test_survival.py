@@ -42,6 +42,26 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fails(pg: pyddp.ProcessGroup) -> str:
+    """The message of the all_reduce that fails for the ranks that died."""
+    try:
+        pg.all_reduce(torch.ones(10))
+    except dist.DistBackendError as error:
+        return str(error)
+    raise AssertionError("the collective did not fail")
+
+
+def _survivors(fn, world: int, dead: tuple, *args) -> list:
+    """What ``fn`` returned on each rank but ``dead``, which must have died."""
+    pool = Ranks(world)
+    try:
+        results = pool.run_each([fn] * world, *args, allow_dead=True, timeout=120)
+        assert all(isinstance(results[r], Died) for r in dead), results
+        return [result for r, result in enumerate(results) if r not in dead]
+    finally:
+        pool.close()
+
+
 # Large enough that a rank killed just after it started its part dies inside it.
 BIG = 1 << 22
 
@@ -111,20 +131,13 @@ def _agree_with_deaths(ctx: RankContext, dying: tuple, voted_then_died: int) -> 
 
 
 def test_agreement_is_the_same_on_every_survivor_when_ranks_die_during_it():
-    pool = Ranks(4)
-    try:
-        results = pool.run_each([_agree_with_deaths] * 4, (2,), 3, allow_dead=True,
-                                timeout=120)
-        assert all(isinstance(r, Died) for r in results[2:]), results[2:]
-        (first, t0), (second, t1) = results[:2]
-        assert first == second, (first, second)
-        assert first.flag is False  # rank 0 voted False
-        # Rank 2 never voted; rank 3 voted and then died: it may be counted either way,
-        # alike on both survivors.
-        assert 2 in first.dead and set(first.alive) >= {0, 1}, first
-        assert max(t0, t1) < BOUND_S, (t0, t1)
-    finally:
-        pool.close()
+    (first, t0), (second, t1) = _survivors(_agree_with_deaths, 4, (2, 3), (2,), 3)
+    assert first == second, (first, second)
+    assert first.flag is False  # rank 0 voted False
+    # Rank 2 never voted; rank 3 voted and then died: it may be counted either way, alike
+    # on both survivors.
+    assert 2 in first.dead and set(first.alive) >= {0, 1}, first
+    assert max(t0, t1) < BOUND_S, (t0, t1)
 
 
 def _two_die_at_once(ctx: RankContext) -> tuple:
@@ -132,23 +145,13 @@ def _two_die_at_once(ctx: RankContext) -> tuple:
     pg.barrier()
     if ctx.rank >= 2:
         _kill_self()
-    try:
-        pg.all_reduce(torch.ones(10))
-        raise AssertionError("the collective did not fail")
-    except dist.DistBackendError:
-        pass
+    _fails(pg)
     new = pg.shrink()
     return new.rank(), new.size(), _total(new, float(ctx.rank + 1))
 
 
 def test_two_ranks_killed_at_once():
-    pool = Ranks(4)
-    try:
-        results = pool.run_each([_two_die_at_once] * 4, allow_dead=True, timeout=120)
-        assert all(isinstance(r, Died) for r in results[2:]), results[2:]
-        assert results[:2] == [(0, 2, 3.0), (1, 2, 3.0)], results[:2]
-    finally:
-        pool.close()
+    assert _survivors(_two_die_at_once, 4, (2, 3)) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def _dies_while_shrinking(ctx: RankContext) -> tuple:
@@ -156,11 +159,7 @@ def _dies_while_shrinking(ctx: RankContext) -> tuple:
     pg.barrier()
     if ctx.rank == 3:
         _kill_self()
-    try:
-        pg.all_reduce(torch.ones(10))
-        raise AssertionError("the collective did not fail")
-    except dist.DistBackendError:
-        pass
+    _fails(pg)
     if ctx.rank == 2:
         # Agrees with the others, then dies while the survivors' group is made.
         def die(*args, **kwargs):
@@ -171,13 +170,7 @@ def _dies_while_shrinking(ctx: RankContext) -> tuple:
 
 
 def test_a_rank_that_dies_during_shrink_is_left_out():
-    pool = Ranks(4)
-    try:
-        results = pool.run_each([_dies_while_shrinking] * 4, allow_dead=True, timeout=120)
-        assert all(isinstance(r, Died) for r in results[2:]), results[2:]
-        assert results[:2] == [(0, 2, 3.0), (1, 2, 3.0)], results[:2]
-    finally:
-        pool.close()
+    assert _survivors(_dies_while_shrinking, 4, (2, 3)) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def _stopped(pid: int) -> bool:
@@ -215,11 +208,7 @@ def _member_then_admit(ctx: RankContext) -> tuple:
     pg.barrier()
     if ctx.rank == 2:
         _kill_self()
-    try:
-        pg.all_reduce(torch.ones(10))
-        raise AssertionError("the collective did not fail")
-    except dist.DistBackendError:
-        pass
+    _fails(pg)
     small = pg.shrink()
     if small.rank() == 0:
         store.set("test/lineage", small._lineage)
