@@ -431,7 +431,7 @@ WorkPtr FusedEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& i
     const at::Tensor in = onHost(input);
     const at::Tensor out = hostFor(output);
     // Every rank arrived with the same call. The fused launches publish
-    // their descriptors without waiting (fused_memory.h), but no rank
+    // their descriptors without waiting (ControlPlane::publish), but no rank
     // leaves an all-to-all before every peer has arrived at it (each waits
     // until a receive of every peer took its message), so no peer's
     // descriptor of this collective is overwritten while it is compared.
