@@ -470,22 +470,32 @@ void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const vo
                       const std::vector<size_t>& sendOffsets, void* out,
                       const std::vector<size_t>& recvCounts,
                       const std::vector<size_t>& recvOffsets) {
-  const int n = c.worldSize, r = c.rank;
   const size_t es = elementSize(dtype);
-  const int64_t tag = collectiveTag(c.desc);
   // every rank arrived with the same call
   arrive(c);
   // my own block needs no message
-  c.transport.local().copy(at(out, recvOffsets[r], es), at(in, sendOffsets[r], es),
-                           recvCounts[r] * es);
+  c.transport.local().copy(at(out, recvOffsets[c.rank], es), at(in, sendOffsets[c.rank], es),
+                           recvCounts[c.rank] * es);
+  exchangeAllToAll(link, c.desc, c.deadline, c.rank, c.worldSize, dtype, in, sendCounts,
+                   sendOffsets, out, recvCounts, recvOffsets);
+}
+
+void exchangeAllToAll(MessageLink& link, const CollectiveDesc& desc, Deadline deadline,
+                      int r, int n, DataType dtype, const void* in,
+                      const std::vector<size_t>& sendCounts,
+                      const std::vector<size_t>& sendOffsets, void* out,
+                      const std::vector<size_t>& recvCounts,
+                      const std::vector<size_t>& recvOffsets) {
+  const size_t es = elementSize(dtype);
+  const int64_t tag = collectiveTag(desc);
   // step s: send to rank + s, receive from rank - s, all at once
   std::vector<uint64_t> ops;
   for (int step = 1; step < n; ++step) {
     const int to = schedule::mod(r + step, n), from = schedule::mod(r - step, n);
     ops.push_back(link.postSend(to, tag, dtype, at(in, sendOffsets[to], es),
-                                sendCounts[to] * es, c.deadline));
+                                sendCounts[to] * es, deadline));
     ops.push_back(link.postRecv(from, tag, dtype, at(out, recvOffsets[from], es),
-                                recvCounts[from] * es, c.deadline));
+                                recvCounts[from] * es, deadline));
   }
   // every block moved
   link.wait(ops);

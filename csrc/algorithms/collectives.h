@@ -175,6 +175,15 @@ void pairwiseAllToAll(const Call& c, MessageLink& link, DataType dtype, const vo
                       const std::vector<size_t>& sendOffsets, void* out,
                       const std::vector<size_t>& recvCounts,
                       const std::vector<size_t>& recvOffsets);
+// pairwiseAllToAll's messages alone (every block but block `rank`), for
+// an engine that has no Transport: it arrives at collective `desc` and
+// copies this rank's own block itself (backend/fused_engine.h).
+void exchangeAllToAll(MessageLink& link, const CollectiveDesc& desc, Deadline deadline,
+                      int rank, int worldSize, DataType dtype, const void* in,
+                      const std::vector<size_t>& sendCounts,
+                      const std::vector<size_t>& sendOffsets, void* out,
+                      const std::vector<size_t>& recvCounts,
+                      const std::vector<size_t>& recvOffsets);
 // outBlocks[k] of rank `root` = in of rank k (count elements each); only
 // the root receives, every other rank sends once.
 void directGather(const Call& c, MessageLink& link, DataType dtype, const void* in,

@@ -1,12 +1,17 @@
 #include "backend/fused_engine.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
 #include <thread>
 
+#include "algorithms/collectives.h"
 #include "backend/bootstrap.h"
 #include "backend/cpu_executor.h"
+#include "backend/monitored_barrier.h"
+#include "backend/p2p_executor.h"
 #include "common/check.h"
 #include "common/interrupt.h"
 #include "device/emulated_grid.h"
@@ -78,16 +83,22 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   PYDDP_CHECK(executor_ != nullptr, "rank ", rank, ": the fused engine serves ", device,
               " tensors only in a CUDA build");
   bootstrap::connect(mem, *store, rank, size, Ms(options_.timeoutMs));
+  lanes_ = std::make_unique<shm::MessageLanes>(rank, size, mem.control(), options_);
+  const auto directory = std::make_shared<bootstrap::StoreDirectory>(store);
+  link_ = lanes_->messages(directory, Lane::Collectives);
+  p2p_ = std::make_unique<P2pExecutor>(rank, *lanes_->messages(directory, Lane::User));
   if (cpuExec_) {
+    shm::MessageLanes& lanes = *lanes_;
     cpuExec_->start(CpuExecutor::Hooks{
         [] {},
         [&mem](const std::string& why) {
           mem.control().giveUp(why, /*onNext=*/false);
           mem.tellPeers();
         },
-        [&mem] {
+        [&mem, &lanes] {
           mem.control().abort();
           mem.abort();
+          lanes.abort();
         },
         [&mem](const std::string& why) {
           mem.control().giveUp(why, /*onNext=*/true);
@@ -127,6 +138,7 @@ const Executor& FusedEngine::executor() const {
 
 void FusedEngine::shutDown(Teardown how) {
   if (shutDown_.exchange(true)) return;
+  if (p2p_) p2p_->shutdown(teardownReason(rank_, memory_->control().deadPeer(), how));
 #ifdef PYDDP_WITH_CUDA
   if (deviceExec_ && how == Teardown::Destroyed) {
     // Peers read this rank's device memory: collectives already queued
@@ -152,6 +164,13 @@ void FusedEngine::shutDown(Teardown how) {
 #endif
   executor_->shutdown(how);
   memory_->control().abort();
+  // Nothing drives the messages any more: what they left in /dev/shm goes
+  // now, not when the group is collected.
+  if (lanes_) lanes_->close();
+}
+
+Ms FusedEngine::timeoutOf(const CallOptions& call) const {
+  return call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
 }
 
 int FusedEngine::channelsFor(size_t bytes) const {
@@ -168,7 +187,7 @@ device::FusedArgs FusedEngine::argsFor(const CollectiveDesc& desc, device::Proto
   a.protocol = protocol;
   a.rank = rank_;
   a.size = size_;
-  a.channels = channelsFor(desc.count * elementSize(desc.dtype) *
+  a.channels = channelsFor(count * elementSize(desc.dtype) *
                            (protocol == device::Protocol::ReduceScatter ? size_ : 1));
   a.root = desc.root;
   a.average = desc.op == RedOp::Avg;
@@ -265,11 +284,13 @@ void FusedEngine::runOnGrid(const device::FusedArgs& a, const CollectiveDesc& de
 
 WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protocol,
                             const at::Tensor& input, const at::Tensor& output, size_t count,
-                            Results& results, const CallOptions& call) {
+                            Results& results, const CallOptions& call,
+                            std::function<void()> before, std::vector<at::Tensor> uses) {
   const size_t elementBytes = elementSize(desc.dtype);
-  const Ms timeout = call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
-  const auto transfer = [this, protocol, input, output, count, elementBytes, timeout](
-                            const CollectiveDesc& d, Deadline) {
+  const Ms timeout = timeoutOf(call);
+  const auto transfer = [this, protocol, input, output, count, elementBytes, timeout,
+                         before = std::move(before)](const CollectiveDesc& d, Deadline) {
+    if (before) before();
     const device::FusedArgs a = argsFor(d, protocol, input.defined() ? input.data_ptr() : nullptr,
                                         output.defined() ? output.data_ptr() : nullptr, count,
                                         timeout);
@@ -285,7 +306,6 @@ WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protoco
     device::launchFused(a, d.dtype, d.op, kThreadsPerChannel, deviceExec_->stream(), rank_);
 #endif
   };
-  std::vector<at::Tensor> uses;
   for (const at::Tensor& t : {input, output}) {
     if (t.defined()) uses.push_back(t);
   }
@@ -295,15 +315,27 @@ WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protoco
                            call);
 }
 
-WorkPtr FusedEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
-                                  Results results, const CallOptions& call) {
-  const size_t bytes = desc.count * elementSize(desc.dtype);
+device::Protocol FusedEngine::allReduceProtocol(size_t bytes) const {
   const bool oneShot = options_.algo == Algo::Direct ||
       (options_.algo == Algo::Auto && bytes <= kOneShotMaxBytes);
-  return launch(desc,
-                oneShot ? device::Protocol::OneShotAllReduce
-                        : device::Protocol::TwoShotAllReduce,
-                buf, buf, desc.count, results, call);
+  return oneShot ? device::Protocol::OneShotAllReduce : device::Protocol::TwoShotAllReduce;
+}
+
+WorkPtr FusedEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
+                                  Results results, const CallOptions& call) {
+  return launch(desc, allReduceProtocol(desc.count * elementSize(desc.dtype)), buf, buf,
+                desc.count, results, call);
+}
+
+WorkPtr FusedEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                               const at::Tensor& output, Results results,
+                               const CallOptions& call) {
+  // Every rank all-reduces into `output`, the root's result and the other
+  // ranks' scratch, which starts as a copy of the input.
+  std::function<void()> before;
+  if (!output.is_same(input)) before = [input, output] { output.copy_(input); };
+  return launch(desc, allReduceProtocol(desc.count * elementSize(desc.dtype)), output, output,
+                desc.count, results, call, std::move(before), {input});
 }
 
 WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
@@ -327,6 +359,40 @@ WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& 
   return launch(desc, device::Protocol::AllGather, input, whole, desc.count, gathered, call);
 }
 
+WorkPtr FusedEngine::runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                               const RankBlocks& output, Results results,
+                               const CallOptions& call) {
+  // The root's list receives the blocks, the other ranks (which pass none)
+  // gather into scratch.
+  return runAllGather(desc, input, RankBlocks{{}, output.list, desc.count}, std::move(results),
+                      call);
+}
+
+WorkPtr FusedEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                                const at::Tensor& output, Results results,
+                                const CallOptions& call) {
+  const int64_t count = static_cast<int64_t>(desc.count);
+  const at::Tensor whole = at::empty({count * size_}, output.options());
+  // The root packs its list in the collective's turn, so that a collective
+  // queued before it that writes the list is seen.
+  std::function<void()> pack;
+  std::vector<at::Tensor> blocks = input.list.vec();
+  if (!blocks.empty()) {
+    pack = [whole, blocks, count] {
+      for (size_t r = 0; r < blocks.size(); ++r) {
+        whole.narrow(0, static_cast<int64_t>(r) * count, count).copy_(blocks[r].view({-1}));
+      }
+    };
+  }
+  Results kept{results.tensors,
+               [whole, output, mine = count * rank_, count, finish = finishOf(results)] {
+                 output.view({-1}).copy_(whole.narrow(0, mine, count));
+                 finish();
+               }};
+  return launch(desc, device::Protocol::Broadcast, whole, whole, desc.count * size_, kept, call,
+                std::move(pack), std::move(blocks));
+}
+
 WorkPtr FusedEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
                                   Results results, const CallOptions& call) {
   return launch(desc, device::Protocol::Broadcast, buf, buf, desc.count, results, call);
@@ -342,6 +408,86 @@ WorkPtr FusedEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tens
 WorkPtr FusedEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
   Results none;
   return launch(desc, device::Protocol::Barrier, at::Tensor(), at::Tensor(), 0, none, call);
+}
+
+namespace {
+
+// A tensor's bytes in host memory: itself on the CPU, else a copy made on
+// the current stream, which the copy waits for.
+at::Tensor onHost(const at::Tensor& t) {
+  return t.is_cpu() ? t : t.to(at::kCPU);
+}
+
+// Host memory for what will be copied into `t`: itself on the CPU.
+at::Tensor hostFor(const at::Tensor& t) {
+  return t.is_cpu() ? t : at::empty(t.sizes(), t.options().device(at::kCPU));
+}
+
+} // namespace
+
+WorkPtr FusedEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                                 const at::Tensor& output, const ArgChecks::AllToAll& a,
+                                 Results results, const CallOptions& call) {
+  const auto transfer = [this, input, output, a](const CollectiveDesc& d, Deadline deadline) {
+    // On a GPU this runs on the engine's stream, behind the caller's.
+    const at::Tensor in = onHost(input);
+    const at::Tensor out = hostFor(output);
+    // Every rank arrived with the same call. The fused launches publish
+    // their descriptors without waiting (ControlPlane::publish), but no rank
+    // leaves an all-to-all before every peer has arrived at it (each waits
+    // until a receive of every peer took its message), so no peer's
+    // descriptor of this collective is overwritten while it is compared.
+    memory_->control().enter(d, deadline);
+    // my own block needs no message
+    const auto own = [&](const at::Tensor& t, const ArgChecks::Blocks& b) {
+      return t.narrow(0, static_cast<int64_t>(b.offsets[rank_]),
+                      static_cast<int64_t>(b.counts[rank_]));
+    };
+    own(out, a.out).copy_(own(in, a.in));
+    algorithms::exchangeAllToAll(*link_, d, deadline, rank_, size_, d.dtype, in.data_ptr(),
+                                 a.in.counts, a.in.offsets, out.data_ptr(), a.out.counts,
+                                 a.out.offsets);
+    if (!out.is_same(output)) output.copy_(out);
+  };
+  return executor_->submit(Collective{desc, results.tensors.vec(), {input, output}, transfer,
+                                      finishOf(results), false, call.timeout},
+                           call);
+}
+
+WorkPtr FusedEngine::runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                             const CallOptions& call) {
+  auto work = p2p_->send(onHost(tensor), dst, tag, timeoutOf(call));
+  if (!call.asyncOp) work->wait();
+  return work;
+}
+
+WorkPtr FusedEngine::runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+                             const CallOptions& call) {
+  static_assert(kAnySource == MessageLink::kAnySource);
+  std::function<void()> finish = finishOf(results);
+  const at::Tensor host = hostFor(buf);
+  if (!host.is_same(buf)) {
+    // The message reaches the device on the stream that was current at the
+    // call, which the copy waits for, from whichever thread finishes the
+    // receive.
+    const c10::Stream stream =
+        c10::impl::VirtualGuardImpl(buf.device().type()).getStream(buf.device());
+    finish = [buf, host, stream, finish = std::move(finish)] {
+      const c10::StreamGuard guard(stream);
+      buf.copy_(host);
+      finish();
+    };
+  }
+  auto work = p2p_->recv(results.tensors[0], host, src, tag, timeoutOf(call), std::move(finish));
+  if (!call.asyncOp) work->wait();
+  return work;
+}
+
+void FusedEngine::runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  const Ms groupTimeout(options_.timeoutMs);
+  const Ms timeout = opts.timeout == c10d::kUnsetTimeout ? groupTimeout : opts.timeout;
+  monitored::barrier(*p2p_, rank_, size_, monitoredBarriers_++, timeout, groupTimeout,
+                     waitAllRanks);
 }
 
 } // namespace pyddp

@@ -13,24 +13,43 @@
 // staged that every launch starts from (layout.h): the programs advance
 // them deterministically from the collective's arguments, the same on
 // every rank, so the host advances its copies as it launches.
+//
+// The collectives without a channel program of their own are the fused
+// ones with scratch: reduce an all-reduce only the root keeps, gather an
+// all-gather only the root keeps, scatter a broadcast of the root's whole
+// list of which every rank keeps its block. Point-to-point messages,
+// monitored_barrier and all-to-all move over the same messages as the shm
+// transport's (transport/shm_channel.h's MessageLanes, over this memory's
+// control plane; P2pExecutor), with its semantics: FIFO per pair and tag,
+// receives from any source, unexpected messages held aside up to
+// p2p_buffer_bytes. CUDA tensors are staged through host memory: copied
+// to the host on the caller's current stream before they are sent (for
+// all-to-all, on the engine's stream, behind the caller's), and to the
+// device once received; correct and simple, but bound by the copies and
+// the host's messages, not by the GPU's links.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/engine.h"
 #include "common/config.h"
 #include "device/programs.h"
 #include "transport/fused_memory.h"
+#include "transport/shm_channel.h"
 
 namespace pyddp {
 
 class CpuExecutor;
 class DeviceExecutor;
+class P2pExecutor;
 
 class FusedEngine final : public Engine {
  public:
@@ -61,14 +80,36 @@ class FusedEngine final : public Engine {
                            const at::Tensor& output, Results results,
                            const CallOptions& call) override;
   WorkPtr runBarrier(const CollectiveDesc& desc, const CallOptions& call) override;
+  WorkPtr runReduce(const CollectiveDesc& desc, const at::Tensor& input,
+                    const at::Tensor& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runGather(const CollectiveDesc& desc, const at::Tensor& input,
+                    const RankBlocks& output, Results results,
+                    const CallOptions& call) override;
+  WorkPtr runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+                     const at::Tensor& output, Results results,
+                     const CallOptions& call) override;
+  WorkPtr runAllToAll(const CollectiveDesc& desc, const at::Tensor& input,
+                      const at::Tensor& output, const ArgChecks::AllToAll& a, Results results,
+                      const CallOptions& call) override;
+  WorkPtr runSend(const at::Tensor& tensor, int dst, int64_t tag,
+                  const CallOptions& call) override;
+  WorkPtr runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+                  const CallOptions& call) override;
+  void runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
   void shutDown(Teardown how) override;
 
  private:
-  // One launch: `input` and `output` (contiguous; `count` as FusedArgs
-  // says) with `protocol`, the results finished as `results` says.
+  // One launch: `input` and `output` (contiguous; `count` elements as
+  // FusedArgs says) with `protocol`, the results finished as `results`
+  // says. `before` runs first, in the collective's turn (on a GPU, on the
+  // engine's stream), on the tensors of `uses` besides input and output.
   WorkPtr launch(const CollectiveDesc& desc, device::Protocol protocol, const at::Tensor& input,
                  const at::Tensor& output, size_t count, Results& results,
-                 const CallOptions& call);
+                 const CallOptions& call, std::function<void()> before = nullptr,
+                 std::vector<at::Tensor> uses = {});
+  device::Protocol allReduceProtocol(size_t bytes) const;
+  std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   device::FusedArgs argsFor(const CollectiveDesc& desc, device::Protocol protocol,
                             const void* input, void* output, size_t count,
                             std::chrono::milliseconds timeout);
@@ -82,6 +123,12 @@ class FusedEngine final : public Engine {
 
   const RingOptions options_;
   std::unique_ptr<FusedMemory> memory_;
+  // memory_'s control plane's messages: the collectives' lane (link_) and
+  // the user's, which p2p_ drives. Made once memory_ is connected.
+  std::unique_ptr<shm::MessageLanes> lanes_;
+  MessageLink* link_ = nullptr;
+  std::unique_ptr<P2pExecutor> p2p_;
+  std::atomic<uint64_t> monitoredBarriers_{0};  // calls so far, for their tags
   std::unique_ptr<Executor> executor_;
   CpuExecutor* cpuExec_ = nullptr;
   DeviceExecutor* deviceExec_ = nullptr;

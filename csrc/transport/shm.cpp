@@ -2,10 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <iomanip>
-#include <limits>
 #include <new>
-#include <sstream>
 #include <utility>
 
 #include "common/blob.h"
@@ -30,23 +27,19 @@ ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
       slotBytes_(options.slotBytes),
       numSlots_(options.numSlots),
       directBytes_(roundUp(options.stagingBytes(), kCacheLine)),
-      p2pBufferBytes_(options.p2pBufferBytes),
       cma_(options.cma),
       cmaMinBytes_(options.cmaMinBytes),
       pieceSpinPhase_(Backoff::pieceSpinPhaseFor(worldSize)),
       control_(rank, worldSize, dataBytes()),
       memory_(rank, worldSize, options.cma, control_),
+      lanes_(rank, worldSize, control_, options),
       stores_(options.slotStores),
       stagingStores_(options.slotStores, SlotStoreChooser::kMinChosenStagedBytes,
                      SlotStoreChooser::kStagedStreamingAdvantage) {
   options.validate();
 }
 
-ShmTransport::~ShmTransport() {
-  // The channels first: their teardown asks this transport about peers.
-  messages_.reset();
-  collectiveMessages_.reset();
-}
+ShmTransport::~ShmTransport() = default;
 
 size_t ShmTransport::dataBytes() const {
   return sizeof(DataHeader) + static_cast<size_t>(numSlots_) * slotBytes_ + 2 * directBytes_;
@@ -136,39 +129,6 @@ void ShmTransport::connected() {
   memory_.connected();
 }
 
-std::string ShmTransport::channelName(Lane lane, int src, int dst) const {
-  std::ostringstream name;
-  name << control_.segmentName(src) << (lane == Lane::User ? '1' : '2') << std::hex
-       << std::setw(8) << std::setfill('0') << dst;
-  return name.str();
-}
-
-MessageLink* ShmTransport::messages(std::shared_ptr<Directory> directory, Lane lane) {
-  auto& messages = lane == Lane::User ? messages_ : collectiveMessages_;
-  if (!messages) {
-    // The collectives' messages are bounded by their algorithms; only the
-    // user's may wait unreceived without end.
-    messages = std::make_unique<ShmMessages>(
-        rank_, worldSize_, slotBytes_, numSlots_,
-        lane == Lane::User ? p2pBufferBytes_ : std::numeric_limits<size_t>::max(),
-        lane == Lane::User ? "p2p" : "coll",
-        [this, lane](int src, int dst) { return channelName(lane, src, dst); },
-        std::move(directory),
-        [this](int peer) {
-          return control_.peerAlive(peer) ? std::string()
-                                          : "rank " + std::to_string(peer) + " (pid " +
-                  std::to_string(control_.pid(peer)) + ") exited";
-        },
-        [this](int peer) {
-          const std::string why = control_.peerFailure(peer);
-          if (why.empty()) return why;
-          return "rank " + std::to_string(peer) + " gave up on collective #" +
-              std::to_string(control_.failedIn(peer)) + ": " + why;
-        });
-  }
-  return messages.get();
-}
-
 void ShmTransport::abandon(const std::string& why) {
   giveUp(why, /*onNext=*/false);
 }
@@ -187,10 +147,7 @@ void ShmTransport::giveUp(const std::string& why, bool onNext) {
 
 void ShmTransport::abort() {
   control_.abort();
-  const std::string mine = control_.ownFailure();
-  const std::string why = mine.empty() ? teardownReason(rank_, control_.deadPeer()) : mine;
-  if (messages_) messages_->abort(why);
-  if (collectiveMessages_) collectiveMessages_->abort(why);
+  lanes_.abort();
 }
 
 void ShmTransport::enter(const CollectiveDesc& desc, Deadline deadline) {

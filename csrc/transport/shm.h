@@ -29,6 +29,7 @@
 #include "common/descriptor.h"
 #include "transport/process_memory.h"
 #include "transport/registered.h"
+#include "transport/shm_channel.h"
 #include "transport/shm_control.h"
 #include "transport/slot_fifo.h"
 #include "transport/slot_stores.h"
@@ -85,8 +86,6 @@ static_assert(offsetof(DataHeader, magic) == 0 && offsetof(DataHeader, layoutVer
               offsetof(DataHeader, posted) == 128 && offsetof(DataHeader, consumed) == 192 &&
               offsetof(DataHeader, process) == 256 && sizeof(DataHeader) == 448);
 
-class ShmMessages;
-
 class ShmTransport final : public Transport,
                           public RingLink,
                           public LocalOps,
@@ -117,7 +116,9 @@ class ShmTransport final : public Transport,
   std::string deadPeer() const override { return control_.deadPeer(); }
   // Point-to-point channels between pairs of ranks (shm_channel.h), one set
   // per lane.
-  MessageLink* messages(std::shared_ptr<Directory> directory, Lane lane) override;
+  MessageLink* messages(std::shared_ptr<Directory> directory, Lane lane) override {
+    return lanes_.messages(std::move(directory), lane);
+  }
 
   // RingLink
   size_t pieceBytes() const override { return slotBytes_; }
@@ -182,16 +183,12 @@ class ShmTransport final : public Transport,
   bool writeShared(SlotStoreChooser& stores, void* dst, const void* src, size_t bytes,
                    bool local);
   void giveUp(const std::string& why, bool onNext);
-  // The segment name of `lane`'s channel src -> dst: src's segment name
-  // followed by the lane and dst, so every rank can name it.
-  std::string channelName(Lane lane, int src, int dst) const;
 
   const int rank_;
   const int worldSize_;
   const size_t slotBytes_;
   const int numSlots_;
   const size_t directBytes_;
-  const size_t p2pBufferBytes_;
   const CmaReads cma_;
   const size_t cmaMinBytes_;
   // How long a wait for a ring slot spins before it yields
@@ -202,11 +199,11 @@ class ShmTransport final : public Transport,
   ProcessMemory memory_;
   SlotSender ring_;       // to rank + 1
   SlotReceiver fromLeft_;  // from rank - 1
-  // Made by the first messages() of each lane, which the engine calls
-  // before any other thread sees this transport (abort() reads them from
-  // any thread).
-  std::unique_ptr<ShmMessages> messages_;
-  std::unique_ptr<ShmMessages> collectiveMessages_;
+  // Each lane made by its first messages(), which the engine calls before
+  // any other thread sees this transport (abort() reads them from any
+  // thread). Destroyed before control_, which their teardown asks about
+  // peers.
+  MessageLanes lanes_;
 
   // For the ring's slots, and for the staging buffers: each kind's
   // estimate is per byte, and the smaller staged writes need a higher ratio.

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iomanip>
+#include <limits>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 
 #include "common/blob.h"
@@ -818,6 +821,66 @@ void ShmMessages::abort(const std::string& why) {
   for (auto& [id, op] : ops_) {
     if (!op.send && op.peer == kAnySource) finish(id, op, State::Failed, why);
   }
+}
+
+MessageLanes::MessageLanes(int rank, int worldSize, ControlPlane& control,
+                           const RingOptions& options)
+    : control_(control),
+      rank_(rank),
+      worldSize_(worldSize),
+      slotBytes_(options.slotBytes),
+      numSlots_(options.numSlots),
+      p2pBufferBytes_(options.p2pBufferBytes) {}
+
+MessageLanes::~MessageLanes() {
+  // The channels first: their teardown asks the control plane about peers.
+  user_.reset();
+  collectives_.reset();
+}
+
+std::string MessageLanes::channelName(Lane lane, int src, int dst) const {
+  std::ostringstream name;
+  name << control_.segmentName(src) << (lane == Lane::User ? '1' : '2') << std::hex
+       << std::setw(8) << std::setfill('0') << dst;
+  return name.str();
+}
+
+MessageLink* MessageLanes::messages(std::shared_ptr<Directory> directory, Lane lane) {
+  auto& messages = lane == Lane::User ? user_ : collectives_;
+  if (!messages) {
+    // The collectives' messages are bounded by their algorithms; only the
+    // user's may wait unreceived without end.
+    messages = std::make_unique<ShmMessages>(
+        rank_, worldSize_, slotBytes_, numSlots_,
+        lane == Lane::User ? p2pBufferBytes_ : std::numeric_limits<size_t>::max(),
+        lane == Lane::User ? "p2p" : "coll",
+        [this, lane](int src, int dst) { return channelName(lane, src, dst); },
+        std::move(directory),
+        [this](int peer) {
+          return control_.peerAlive(peer) ? std::string()
+                                          : "rank " + std::to_string(peer) + " (pid " +
+                  std::to_string(control_.pid(peer)) + ") exited";
+        },
+        [this](int peer) {
+          const std::string why = control_.peerFailure(peer);
+          if (why.empty()) return why;
+          return "rank " + std::to_string(peer) + " gave up on collective #" +
+              std::to_string(control_.failedIn(peer)) + ": " + why;
+        });
+  }
+  return messages.get();
+}
+
+void MessageLanes::abort() {
+  const std::string mine = control_.ownFailure();
+  const std::string why = mine.empty() ? teardownReason(rank_, control_.deadPeer()) : mine;
+  if (user_) user_->abort(why);
+  if (collectives_) collectives_->abort(why);
+}
+
+void MessageLanes::close() {
+  if (user_) user_->close();
+  if (collectives_) collectives_->close();
 }
 
 } // namespace shm

@@ -75,7 +75,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "transport/shm.h"
+#include "common/config.h"
+#include "transport/shm_control.h"
 #include "transport/shm_segment.h"
 #include "transport/slot_fifo.h"
 #include "transport/tag_matcher.h"
@@ -310,6 +311,44 @@ class ShmMessages final : public MessageLink {
   TagMatcher matcher_;
   Clock::time_point nextExpiry_{};
   bool closed_ = false;
+};
+
+// Both lanes of messages (transport.h's Lane) between the ranks of one
+// control plane's group, each made on first use: the shm transport's, and
+// the fused engine's (backend/fused_engine.h), whose memory runs the same
+// control plane. The control plane names the channels (its segment names)
+// and says which peers exited or gave up.
+class MessageLanes {
+ public:
+  // `control` (rank `rank` of `worldSize`) outlives the lanes; `options`
+  // gives the channels' slots and the user's lane's aside budget.
+  MessageLanes(int rank, int worldSize, ControlPlane& control, const RingOptions& options);
+  ~MessageLanes();
+  MessageLanes(const MessageLanes&) = delete;
+  MessageLanes& operator=(const MessageLanes&) = delete;
+
+  // The lane's link, made by the first call (which must come before any
+  // other thread sees these lanes: abort() reads them from any thread).
+  MessageLink* messages(std::shared_ptr<Directory> directory, Lane lane);
+  // Fails every pending operation of both lanes, with the reason this rank
+  // gave up if it did, else its teardown.
+  void abort();
+  // MessageLink::close() of both lanes.
+  void close();
+
+ private:
+  // The segment name of `lane`'s channel src -> dst: src's control segment
+  // name followed by the lane and dst, so every rank can name it.
+  std::string channelName(Lane lane, int src, int dst) const;
+
+  ControlPlane& control_;
+  const int rank_;
+  const int worldSize_;
+  const size_t slotBytes_;
+  const int numSlots_;
+  const size_t p2pBufferBytes_;
+  std::unique_ptr<ShmMessages> user_;
+  std::unique_ptr<ShmMessages> collectives_;
 };
 
 } // namespace shm

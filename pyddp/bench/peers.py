@@ -443,7 +443,6 @@ class PyddpIpcPeer(_PyddpPeer):
     name = "pyddp_ipc"
     _transport = "cuda_ipc"
     _cuda = True
-    _messages = False
 
 
 class PyddpIpcOneShotPeer(PyddpIpcPeer):

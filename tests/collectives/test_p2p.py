@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import message_cases
 import pyddp
-from collective_cases import (DTYPES, ReduceOp, check_equal, dtype_op_pairs, make_input,
-                              reference_reduce)
+from collective_cases import DTYPES, ReduceOp, check_equal, make_input, reference_reduce
 from harness import Died, RankContext, Ranks, pyddp_segments
 
 pytestmark = pytest.mark.multiprocess
@@ -67,19 +67,7 @@ def two():
 
 
 def _ring_exchanges(ctx: RankContext, group: str) -> None:
-    pg, n, r = ctx.groups[group], ctx.world_size, ctx.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    for dtype in DTYPES:
-        for count in COUNTS:
-            for recv_first in (False, True):
-                mine = make_input(r, count, dtype, salt=recv_first)
-                got = torch.full((count,), 3, dtype=dtype)
-                ops = [pyddp.P2POp(pyddp.isend, mine, right, pg),
-                       pyddp.P2POp(pyddp.irecv, got, left, pg)]
-                for work in pyddp.batch_isend_irecv(ops[::-1] if recv_first else ops):
-                    work.wait()
-                check_equal(got, make_input(left, count, dtype, salt=recv_first),
-                            f"ring exchange {dtype} count={count} recv_first={recv_first}")
+    message_cases.ring_exchanges(ctx.groups[group], ctx.world_size, ctx.rank, DTYPES, COUNTS)
 
 
 def test_ring_exchanges(ranks):
@@ -489,36 +477,8 @@ def test_receive_from_any_source(ranks):
 # --- all-to-all ----------------------------------------------------------------
 
 
-def _splits(n: int, case: str):
-    """split[s][d]: rows rank s sends to rank d."""
-    if case == "even":
-        return [[3] * n for _ in range(n)]
-    if case == "uneven":
-        return [[(s * 7 + d * 3) % 5 for d in range(n)] for s in range(n)]
-    return [[0 if (s + d) % 2 else s + d + 1 for d in range(n)] for s in range(n)]  # zeros
-
-
 def _all_to_all(ctx: RankContext, group: str) -> None:
-    pg, n, r = ctx.groups[group], ctx.world_size, ctx.rank
-    for dtype in (torch.float32, torch.int64, torch.bfloat16):
-        for case in ("even", "uneven", "zeros"):
-            split = _splits(n, case)
-            # rows of 2 elements; block (s -> d) is a function of s and d
-            blocks = {(s, d): make_input(s, 2 * split[s][d], dtype, salt=d).reshape(-1, 2)
-                      for s in range(n) for d in range(n)}
-            inp = torch.cat([blocks[(r, d)] for d in range(n)])
-            expected = torch.cat([blocks[(s, r)] for s in range(n)])
-            for rep in range(2):
-                out = torch.full_like(expected, 9)
-                if case == "even":
-                    pg.all_to_all_single(out, inp)
-                else:
-                    pg.all_to_all_single(out, inp, [split[s][r] for s in range(n)], split[r])
-                check_equal(out, expected, f"all_to_all_single {dtype} {case} rep={rep}")
-            outs = [torch.full_like(blocks[(s, r)], 9) for s in range(n)]
-            pg.all_to_all(outs, [blocks[(r, d)] for d in range(n)])
-            for s in range(n):
-                check_equal(outs[s], blocks[(s, r)], f"all_to_all {dtype} {case} from {s}")
+    message_cases.all_to_all(ctx.groups[group], ctx.world_size, ctx.rank)
 
 
 def test_all_to_all(ranks):
@@ -555,26 +515,7 @@ def test_split_sizes_that_disagree_fail_naming_both_ranks(two):
 
 
 def _rooted(ctx: RankContext, group: str) -> None:
-    pg, n, r = ctx.groups[group], ctx.world_size, ctx.rank
-    for root in range(n):
-        for count in COUNTS:
-            for dtype in DTYPES:
-                inputs = [make_input(k, count, dtype, salt=root) for k in range(n)]
-                gathered = [torch.full((count,), 7, dtype=dtype) for _ in range(n)]
-                pg.gather(inputs[r].clone(), gathered if r == root else None, root)
-                if r == root:
-                    for k in range(n):
-                        check_equal(gathered[k], inputs[k], f"gather {dtype} {count} root={root}")
-                out = torch.full((count,), 7, dtype=dtype)
-                pg.scatter(out, [t.clone() for t in inputs] if r == root else None, root)
-                check_equal(out, inputs[r], f"scatter {dtype} {count} root={root}")
-        for dtype, op in dtype_op_pairs():
-            for count in COUNTS:
-                inputs = [make_input(k, count, dtype, op, salt=root) for k in range(n)]
-                t = inputs[r].clone()
-                pg.reduce(t, root, op)
-                expected = reference_reduce(inputs, op) if r == root else inputs[r]
-                check_equal(t, expected, f"reduce {dtype} {op} {count} root={root}")
+    message_cases.rooted(ctx.groups[group], ctx.world_size, ctx.rank, DTYPES, COUNTS, COUNTS)
 
 
 def test_gather_scatter_and_reduce_to_every_root(ranks):
