@@ -154,6 +154,20 @@ def test_two_ranks_killed_at_once():
     assert _survivors(_two_die_at_once, 4, (2, 3)) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+def _one_survives(ctx: RankContext) -> tuple:
+    pg = named_group(ctx, "alone", timeout=TIMEOUT)
+    pg.barrier()
+    if ctx.rank == 1:
+        _kill_self()
+    _fails(pg)
+    new = pg.shrink()
+    return new.rank(), new.size(), _total(new, 5.0)
+
+
+def test_the_last_survivor_goes_on_alone():
+    assert _survivors(_one_survives, 2, (1,)) == [(0, 1, 5.0)]
+
+
 def _dies_while_shrinking(ctx: RankContext) -> tuple:
     pg = named_group(ctx, "shrink-death", timeout=datetime.timedelta(seconds=15))
     pg.barrier()
