@@ -88,8 +88,8 @@ class ReleaseGil {
 // starts to wait (common/interrupt.h), which a small synchronous call on
 // ranks that are all inside it never does: it spins for a microsecond or
 // so, and giving up the GIL and taking it back were 3% of a 2-rank 4 KiB
-// all_reduce (76 of 2400 ns on far cores, perf). What a call does before
-// it waits must then be short: HoldsGil::WhileSpinning is for calls on
+// all_reduce (benchmarks/studies/the-gil-of-a-small-call.md). What a call
+// does before it waits must then be short: HoldsGil::WhileSpinning is for calls on
 // small tensors only (kHoldGilMaxBytes), whose copies take microseconds,
 // and a wait spins for at most Backoff::kSpinPhase before it asks.
 enum class HoldsGil { Never, WhileSpinning };
@@ -322,9 +322,9 @@ bool sortArgs(const char* const* params, PyObject* const* args, Py_ssize_t nargs
 }
 
 // The largest tensors (in bytes, all of a call's together) whose call
-// keeps the GIL while it spins (HoldsGil): a 2-rank all_reduce of 16 KiB
-// took 3.4-5.1 us, so the GIL's handoff would be 2% of it or less, and a
-// larger call would hold the GIL for longer.
+// keeps the GIL while it spins (HoldsGil): up to it the GIL's handoff is a
+// small part of the call, above it the call would hold the GIL for longer
+// (benchmarks/studies/the-gil-of-a-small-call.md, "Up to 16 KiB").
 constexpr size_t kHoldGilMaxBytes = 16 * 1024;
 
 // Entry `I`: the engine's `Method` on arguments of the kinds `Args`, named

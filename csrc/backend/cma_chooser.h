@@ -21,21 +21,26 @@
 // The ranks must take the same path, so one rank chooses and times (rank 0,
 // or a broadcast's last rank of the chain: algorithms::kernelVoter); its
 // pick travels in the word it stages at the collective's arrival
-// (algorithms::TensorWhere), which every rank reads.
+// (algorithms::TensorWhere), which every rank reads. The engine's plans
+// read the pick through algorithms::KernelChoice and report how it went
+// through algorithms::PathFeedback (algorithms/select.h).
 #pragma once
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <utility>
 
+#include "algorithms/select.h"
 #include "common/check.h"
 #include "common/cost_estimate.h"
 #include "common/types.h"
 
 namespace pyddp {
 
-class CmaChooser {
+class CmaChooser final : public algorithms::KernelChoice, public algorithms::PathFeedback {
  public:
   // Four calls in a row of every 128 take the path not preferred, so a
   // change that makes that path the cheaper one is noticed within 128 calls
@@ -88,29 +93,35 @@ class CmaChooser {
 
   explicit CmaChooser(CmaReads mode) : mode_(mode) {}
 
-  // The kinds of collective that may read through the kernel.
-  static constexpr bool chooses(CollectiveKind kind) { return kindIndex(kind) >= 0; }
-
-  // Whether the next collective of `kind` (one it chooses()) on `bytes` per
-  // rank reads through the kernel, and whether its time is wanted
-  // (observe()).
-  struct Pick {
-    bool kernel;
-    bool timed;
-  };
-  Pick next(CollectiveKind kind, size_t bytes) {
+  // Whether the next collective of `kind` (algorithms::readsInPlace) on
+  // `bytes` per rank reads through the kernel, and whether its time is
+  // wanted.
+  algorithms::KernelPick peek(CollectiveKind kind, size_t bytes) const override {
     if (mode_ != CmaReads::Auto) return {mode_ == CmaReads::Always, false};
-    Size& s = size(kind, bytes);
-    const bool kernel = path(s);
+    const Size& s = size(kind, bytes);
+    const bool kernel = path(s, s.calls + 1);
     // The first call of a size, or after a switch, pays for the path's cold
     // state: a sample of neither path's cost.
-    const bool timed = s.calls > 1 && kernel == s.lastKernel;
-    s.lastKernel = kernel;
-    return {kernel, timed};
+    return {kernel, s.calls > 0 && kernel == s.lastKernel};
   }
 
-  // The collective next() picked took `nanoseconds` from the end of its
-  // arrival meeting.
+  // The collective of `plan` that peek() picked for ran: it counts, and
+  // its time, if given, is a sample of the path it took.
+  void record(const algorithms::Plan& plan, std::optional<double> nanoseconds) override {
+    if (mode_ == CmaReads::Auto) {
+      Size& s = size(plan.kind, plan.bytes);
+      ++s.calls;
+      if (exploresFrom(s.calls)) {
+        s.exploreKernel = !s.kernel;
+        s.exploreEnd = s.calls + kExploreRun;
+      }
+      s.lastKernel = plan.reads.kernelVote;
+    }
+    if (nanoseconds) observe(plan.kind, plan.bytes, plan.reads.kernelVote, *nanoseconds);
+  }
+
+  // A collective of `kind` on `bytes` per rank took `nanoseconds` from the
+  // end of its arrival meeting, through the kernel or not.
   void observe(CollectiveKind kind, size_t bytes, bool kernel, double nanoseconds) {
     Size& s = size(kind, bytes);
     s.cost[kernel ? kKernel : kSlots].observe(bytes, nanoseconds);
@@ -118,7 +129,7 @@ class CmaChooser {
   }
 
   // Whether a call that is not exploring would read through the kernel.
-  bool prefersKernel(CollectiveKind kind, size_t bytes) {
+  bool prefersKernel(CollectiveKind kind, size_t bytes) const {
     if (mode_ != CmaReads::Auto) return mode_ == CmaReads::Always;
     return size(kind, bytes).kernel;
   }
@@ -138,19 +149,17 @@ class CmaChooser {
     bool lastKernel = false;  // the path of the call before
   };
 
-  // Counts the call and picks its path.
-  static bool path(Size& s) {
-    ++s.calls;
+  // The path of the `call`-th call of a size (counted from 1), the one
+  // after the calls `s` counted.
+  static bool path(const Size& s, uint64_t call) {
     // Each path is measured over a run before either is preferred.
-    if (s.calls <= kExploreRun) return true;
-    if (s.calls <= 2 * kExploreRun) return false;
+    if (call <= kExploreRun) return true;
+    if (call <= 2 * kExploreRun) return false;
     // A run explores from each call exploresFrom() names, on the path not
-    // preferred at its start, even if the run makes it the preferred one.
-    if (exploresFrom(s.calls)) {
-      s.exploreKernel = !s.kernel;
-      s.exploreEnd = s.calls + kExploreRun;
-    }
-    return s.calls < s.exploreEnd ? s.exploreKernel : s.kernel;
+    // preferred at its start, even if the run makes it the preferred one
+    // (record() keeps the run).
+    if (exploresFrom(call)) return !s.kernel;
+    return call < s.exploreEnd ? s.exploreKernel : s.kernel;
   }
 
   // The path preferred after the latest sample, from the one preferred before.
@@ -177,11 +186,14 @@ class CmaChooser {
   }
 
   // The estimates of `kind` at the power of two that `bytes` falls in.
-  Size& size(CollectiveKind kind, size_t bytes) {
+  const Size& size(CollectiveKind kind, size_t bytes) const {
     const int log2 = bytes == 0 ? 0 : static_cast<int>(std::bit_width(bytes)) - 1;
     const int k = kindIndex(kind);
     PYDDP_CHECK(k >= 0, toString(kind), " does not read through the kernel");
     return sizes_[k][log2];
+  }
+  Size& size(CollectiveKind kind, size_t bytes) {
+    return const_cast<Size&>(std::as_const(*this).size(kind, bytes));
   }
 
   const CmaReads mode_;

@@ -1,6 +1,7 @@
 #include "backend/ring_engine.h"
 
 #include <chrono>
+#include <optional>
 
 #include "algorithms/schedule.h"
 #include "backend/bootstrap.h"
@@ -40,6 +41,12 @@ void appendTo(std::vector<at::Tensor>& all, c10::ArrayRef<at::Tensor> tensors) {
 std::function<void()> finishOf(Results& results) {
   if (results.finish) return std::move(results.finish);
   return [] {};
+}
+
+// `desc` with the algorithm of its plan, which every rank compares.
+CollectiveDesc planned(CollectiveDesc desc, const algorithms::Plan& plan) {
+  desc.algo = plan.algo;
+  return desc;
 }
 
 // Whether [p, p + bytes) overlaps a block of `blocks` (each `blockBytes`
@@ -91,6 +98,12 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   if (userLink_) p2p_ = std::make_unique<P2pExecutor>(rank, *userLink_);
   registeredRefusal_ = whyNotReadRegistered();
   processRefusal_ = whyNotReadProcesses();
+  caps_ = algorithms::Capabilities{rank,
+                                   size,
+                                   transport_->peerMemory() != nullptr,
+                                   link_ != nullptr,
+                                   registeredRefusal_.empty(),
+                                   processRefusal_.empty()};
   if (processRefusal_.empty()) kernelScratch_.resize(schedule::kernelScratchBytes(size));
   startExecutor();
 }
@@ -195,15 +208,6 @@ std::chrono::milliseconds RingEngine::timeoutOf(const CallOptions& call) const {
   return call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
 }
 
-Algo RingEngine::allReduceAlgo(size_t bytes) const {
-  // Transports without mapped peer memory (NCCL) run every size on the ring.
-  return transport_->peerMemory() ? options_.allReduceAlgo(bytes) : Algo::Ring;
-}
-
-Algo RingEngine::gatherAlgo(size_t stagedBytes) const {
-  return transport_->peerMemory() ? options_.gatherAlgo(stagedBytes) : Algo::Ring;
-}
-
 std::string RingEngine::whyNotReadInPlace() const {
   const PeerMemory* mem = transport_->peerMemory();
   if (!cpuExec_) return "the tensors are not in CPU memory";
@@ -228,66 +232,50 @@ std::string RingEngine::whyNotReadProcesses() const {
   return why.empty() ? transport_->peerMemory()->whyNotReadProcesses() : why;
 }
 
-bool RingEngine::readsThroughKernel(CollectiveKind kind, size_t bytes) const {
-  return processRefusal_.empty() && options_.cma != CmaReads::Never &&
-      CmaChooser::chooses(kind) && bytes >= options_.cmaMinBytes;
-}
-
-Algo RingEngine::registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const {
-  return (registeredRefusal_.empty() && readsRegistered(kind, bytes)) ||
-          readsThroughKernel(kind, bytes)
-      ? Algo::Registered
-      : fallback;
-}
-
 template <typename Run, typename Fallback>
-void RingEngine::inPlaceOr(const algorithms::Call& call, const void* mine, size_t bytes,
-                           int root, Run&& run, Fallback&& fallback) {
-  if (call.desc.algo != Algo::Registered) return fallback(call);
+void RingEngine::inPlaceOr(const algorithms::Call& call, const algorithms::Plan& selected,
+                           const void* mine, size_t bytes, int root, Run&& run,
+                           Fallback&& fallback) {
+  if (selected.algo != Algo::Registered) return fallback(call);
   algorithms::Call c = call;
   PeerMemory* mem = transport_->peerMemory();
-  const CollectiveKind kind = c.desc.kind;
-  // the size the windows and the chooser go by, as registeredOr() did
-  const size_t perRank = c.desc.count * elementSize(c.desc.dtype);
-  const bool kernelAllowed = readsThroughKernel(kind, perRank);
-  const CmaChooser::Pick pick = kernelAllowed && rank_ == algorithms::kernelVoter(root, size_)
-      ? cma_.next(kind, perRank)
-      : CmaChooser::Pick{false, false};
-  const algorithms::InPlaceReads reads{
-      registeredRefusal_.empty() && readsRegistered(kind, perRank), kernelAllowed, pick.kernel};
+  const algorithms::Plan plan = algorithms::vote(selected, cma_);
   const algorithms::RegisteredView view =
-      algorithms::arriveRegistered(c, *mem, mine, bytes, root, reads);
+      algorithms::arriveRegistered(c, *mem, mine, bytes, root, plan.reads);
   c.arrived = true;
-  const Clock::time_point start = pick.timed ? Clock::now() : Clock::time_point{};
+  const Clock::time_point start = plan.timed ? Clock::now() : Clock::time_point{};
   if (view.usable()) {
     run(c, *mem, view);
   } else {
     fallback(c);
   }
-  // Timed only if it ran the path picked: a view that maps every tensor
+  if (!plan.votes) return;
+  // Timed only if it ran the path voted for: a view that maps every tensor
   // took neither.
-  if (pick.timed && (pick.kernel ? view.throughKernel : !view.usable())) {
+  std::optional<double> nanoseconds;
+  if (plan.timed && (plan.reads.kernelVote ? view.throughKernel : !view.usable())) {
     // the ring's time to where the kernel path's closing meeting ends it
-    if (!pick.kernel) mem->awaitRingTaken();
-    cma_.observe(kind, perRank, pick.kernel,
-                 std::chrono::duration<double, std::nano>(Clock::now() - start).count());
+    if (!plan.reads.kernelVote) mem->awaitRingTaken();
+    nanoseconds = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
   }
+  cma_.record(plan, nanoseconds);
 }
 
-void RingEngine::allGatherBlocks(const algorithms::Call& call, Algo algo, DataType dtype,
-                                 const void* in, c10::ArrayRef<void*> blocks, size_t count) {
+void RingEngine::allGatherBlocks(const algorithms::Call& call, const algorithms::Plan& plan,
+                                 DataType dtype, const void* in, c10::ArrayRef<void*> blocks,
+                                 size_t count) {
   const size_t bytes = count * elementSize(dtype);
   // An input that overlaps a peer's block of the output would be written
   // while the peers read it: this rank then offers no registered input, and
   // every rank takes the other algorithm.
   const bool overlaps = overlapsPeerBlock(in, bytes, blocks, bytes, rank_);
   inPlaceOr(
-      call, overlaps ? nullptr : in, bytes, -1,
+      call, plan, overlaps ? nullptr : in, bytes, -1,
       [&](const algorithms::Call& c, PeerMemory& mem, const algorithms::RegisteredView& view) {
         algorithms::registeredAllGather(c, mem, view, dtype, blocks, count);
       },
       [&](const algorithms::Call& c) {
-        if (algo == Algo::Direct) {
+        if (plan.staged == Algo::Direct) {
           algorithms::directAllGather(c, *transport_->peerMemory(), dtype, in, blocks, count);
         } else {
           algorithms::ringAllGather(c, dtype, in, blocks, count);
@@ -299,23 +287,20 @@ WorkPtr RingEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& b
                                  Results results, const CallOptions& call) {
   const kernels::ReduceSpec s = spec(desc.dtype, desc.op);
   const size_t count = desc.count;
-  const size_t bytes = count * elementSize(s.dtype);
-  const Algo algo = allReduceAlgo(bytes);
-  CollectiveDesc d = desc;
-  d.algo = registeredOr(CollectiveKind::AllReduce, bytes, algo);
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   return submit(
-      d, results, std::tie(buf),
-      [this, s, count, algo](const algorithms::Call& call, const at::Tensor& buf) {
+      planned(desc, plan), results, std::tie(buf),
+      [this, s, count, plan](const algorithms::Call& call, const at::Tensor& buf) {
         void* data = buf.data_ptr();
         inPlaceOr(
-            call, data, count * elementSize(s.dtype), -1,
+            call, plan, data, plan.bytes, -1,
             [&](const algorithms::Call& c, PeerMemory& mem,
                 const algorithms::RegisteredView& view) {
               algorithms::registeredAllReduce(c, mem, view, s, data, count,
                                               kernelScratch_.data());
             },
             [&](const algorithms::Call& c) {
-              switch (algo) {
+              switch (plan.staged) {
                 case Algo::Direct:
                   algorithms::directAllReduce(c, *transport_->peerMemory(), s, data, data, count);
                   break;
@@ -337,17 +322,14 @@ WorkPtr RingEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& in,
   const int root = desc.root;
   const auto s = spec(desc.dtype, desc.op);
   PeerMemory* mem = transport_->peerMemory();
-  CollectiveDesc d = desc;
-  d.algo = allReduceAlgo(count * elementSize(desc.dtype)) == Algo::Direct && mem ? Algo::Direct
-                                                                                 : Algo::Ring;
-  const Algo algo = d.algo;
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   const bool keep = root == rank_;
   return submit(
-      d, results, {in, out},
+      planned(desc, plan), results, {in, out},
       [=, this](const algorithms::Call& c) {
-        if (algo == Algo::Direct) {
+        if (plan.algo == Algo::Direct) {
           algorithms::directReduce(c, *mem, s, in.data_ptr(), out.data_ptr(), count, root);
-        } else if (link_) {
+        } else if (plan.messages) {
           algorithms::ringReduce(c, *link_, s, in.data_ptr(), out.data_ptr(), count, root);
         } else {
           // Without messages, a reduce is an all-reduce only the root keeps.
@@ -364,19 +346,18 @@ WorkPtr RingEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& i
   const DataType dtype = desc.dtype;
   const size_t count = desc.count;
   const size_t es = elementSize(dtype);
-  const Algo algo = gatherAlgo(count * es);
-  CollectiveDesc d = desc;
-  d.algo = registeredOr(CollectiveKind::AllGather, count * es, algo);
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
+  const CollectiveDesc d = planned(desc, plan);
   if (output.whole.defined()) {
     return submit(
         d, results, std::tie(in, output.whole),
-        [this, algo, dtype, count, es](const algorithms::Call& c, const at::Tensor& in,
+        [this, plan, dtype, count, es](const algorithms::Call& c, const at::Tensor& in,
                                        const at::Tensor& out) {
           algorithms::RankPtrs blocks(size_);
           for (int b = 0; b < size_; ++b) {
             blocks[b] = static_cast<char*>(out.data_ptr()) + b * count * es;
           }
-          allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
+          allGatherBlocks(c, plan, dtype, in.data_ptr(), blocks, count);
         },
         call);
   }
@@ -386,7 +367,7 @@ WorkPtr RingEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& i
                 [=, this, outs = output.list.vec()](const algorithms::Call& c) {
                   algorithms::RankPtrs blocks(size_);
                   for (int b = 0; b < size_; ++b) blocks[b] = outs[b].data_ptr();
-                  allGatherBlocks(c, algo, dtype, in.data_ptr(), blocks, count);
+                  allGatherBlocks(c, plan, dtype, in.data_ptr(), blocks, count);
                 },
                 call);
 }
@@ -397,21 +378,20 @@ WorkPtr RingEngine::runGather(const CollectiveDesc& desc, const at::Tensor& in,
   const DataType dtype = desc.dtype;
   const size_t count = desc.count;
   const int root = desc.root;
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   std::vector<at::Tensor> outs = output.list.vec();
   // Without messages every rank gathers, into scratch but for the root.
-  if (!link_ && root != rank_) {
+  if (!plan.messages && root != rank_) {
     for (int b = 0; b < size_; ++b) outs.push_back(at::empty({in.numel()}, in.options()));
   }
-  CollectiveDesc d = desc;
-  d.algo = link_ ? Algo::Direct : Algo::Ring;
   std::vector<at::Tensor> uses = outs;
   uses.push_back(in);
   return submit(
-      d, results, uses,
+      planned(desc, plan), results, uses,
       [=, this](const algorithms::Call& c) {
         algorithms::RankPtrs blocks;
         for (const auto& o : outs) blocks.push_back(o.data_ptr());
-        if (link_) {
+        if (plan.messages) {
           algorithms::directGather(c, *link_, dtype, in.data_ptr(), blocks, count, root);
         } else {
           algorithms::ringAllGather(c, dtype, in.data_ptr(), blocks, count);
@@ -422,16 +402,15 @@ WorkPtr RingEngine::runGather(const CollectiveDesc& desc, const at::Tensor& in,
 
 WorkPtr RingEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
                                  Results results, const CallOptions& call) {
-  const size_t bytes = desc.count * elementSize(desc.dtype);
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   const int src = desc.root;
-  CollectiveDesc d = desc;
-  d.algo = registeredOr(CollectiveKind::Broadcast, bytes, Algo::Ring);
   return submit(
-      d, results, std::tie(buf),
-      [this, bytes, src](const algorithms::Call& call, const at::Tensor& buf) {
+      planned(desc, plan), results, std::tie(buf),
+      [this, plan, src](const algorithms::Call& call, const at::Tensor& buf) {
         void* data = buf.data_ptr();
+        const size_t bytes = plan.bytes;
         inPlaceOr(
-            call, data, bytes, src,
+            call, plan, data, bytes, src,
             [&](const algorithms::Call& c, PeerMemory& mem,
                 const algorithms::RegisteredView& view) {
               algorithms::registeredBroadcast(c, mem, view, data, bytes, src);
@@ -447,12 +426,10 @@ WorkPtr RingEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tenso
   const kernels::ReduceSpec s = spec(desc.dtype, desc.op);
   const size_t count = desc.count;
   const size_t es = elementSize(s.dtype);
-  const Algo algo = gatherAlgo(size_ * count * es);
-  CollectiveDesc d = desc;
-  d.algo = registeredOr(CollectiveKind::ReduceScatter, count * es, algo);
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   return submit(
-      d, results, std::tie(in, out),
-      [this, algo, s, count, es](const algorithms::Call& call, const at::Tensor& in,
+      planned(desc, plan), results, std::tie(in, out),
+      [this, plan, s, count, es](const algorithms::Call& call, const at::Tensor& in,
                                  const at::Tensor& out) {
         algorithms::ConstRankPtrs blocks(size_);
         for (int b = 0; b < size_; ++b) {
@@ -463,14 +440,14 @@ WorkPtr RingEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tenso
         const bool overlaps =
             overlapsPeerBlock<const void*>(out.data_ptr(), count * es, blocks, count * es, rank_);
         inPlaceOr(
-            call, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
+            call, plan, overlaps ? nullptr : in.data_ptr(), size_ * count * es, -1,
             [&](const algorithms::Call& c, PeerMemory& mem,
                 const algorithms::RegisteredView& view) {
               algorithms::registeredReduceScatter(c, mem, view, s, out.data_ptr(), count,
                                                   kernelScratch_.data());
             },
             [&](const algorithms::Call& c) {
-              if (algo == Algo::Direct) {
+              if (plan.staged == Algo::Direct) {
                 algorithms::directReduceScatter(c, *transport_->peerMemory(), s, blocks,
                                                 out.data_ptr(), count);
               } else {
@@ -493,13 +470,12 @@ WorkPtr RingEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& inp
   const size_t count = desc.count;
   const int root = desc.root;
   const std::vector<at::Tensor> blocks = input.list.vec();  // the root's
-  if (link_) {
-    CollectiveDesc d = desc;
-    d.algo = Algo::Direct;
+  const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
+  if (plan.messages) {
     std::vector<at::Tensor> uses = blocks;
     uses.push_back(out);
     return submit(
-        d, results, uses,
+        planned(desc, plan), results, uses,
         [=, this](const algorithms::Call& c) {
           algorithms::ConstRankPtrs in;
           for (const auto& b : blocks) in.push_back(b.data_ptr());
@@ -518,7 +494,7 @@ WorkPtr RingEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& inp
                  out.view({-1}).copy_(whole.narrow(0, mine, count));
                  finish();
                }};
-  return submit(desc, kept, {whole},
+  return submit(planned(desc, plan), kept, {whole},
                 [=](const algorithms::Call& c) {
                   algorithms::chainBroadcast(c, whole.data_ptr(),
                                              whole.numel() * elementSize(dtype), root);
@@ -531,10 +507,8 @@ WorkPtr RingEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& in
                                 Results results, const CallOptions& call) {
   MessageLink& link = messages(desc.count == 0 ? "all_to_all" : "all_to_all_single");
   const DataType dtype = desc.dtype;
-  CollectiveDesc d = desc;
-  d.algo = Algo::Direct;
   return submit(
-      d, results, {in, out},
+      planned(desc, algorithms::select(desc, caps_, options_)), results, {in, out},
       [=, &link](const algorithms::Call& c) {
         algorithms::pairwiseAllToAll(c, link, dtype, in.data_ptr(), a.in.counts, a.in.offsets,
                                      out.data_ptr(), a.out.counts, a.out.offsets);

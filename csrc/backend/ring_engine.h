@@ -1,8 +1,9 @@
 // RingEngine: pyddp's algorithms (algorithms/) over one transport, for the
 // tensors of one device: shm for the CPU; cuda_ipc, or NCCL send/recv for
 // rings across hosts, for a CUDA device. Each entry point checks its
-// arguments (a refused call leaves the group usable), picks the algorithm
-// and hands the collective to its executor: a worker thread for the CPU
+// arguments (a refused call leaves the group usable), plans the collective
+// (algorithms/select.h: its algorithm, its copy path) and hands it to its
+// executor: a worker thread for the CPU
 // (backend/cpu_executor.h), the internal stream of a CUDA device
 // (backend/device_executor.h). Point-to-point operations, and the
 // collectives built on messages (all-to-all, gather, scatter, reduce), use
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "algorithms/select.h"
 #include "backend/cma_chooser.h"
 #include "backend/engine.h"
 #include "backend/executor.h"
@@ -45,13 +47,13 @@ class RingEngine final : public Engine {
   const std::string getBackendName() const override { return "pyddp"; }
   const RingOptions& options() const { return options_; }
   // Why this engine never reads registered tensors in place ("" if it may,
-  // at the sizes readsRegistered() takes): "" on every rank or on none when
+  // at the sizes algorithms::readsRegistered() takes): "" on every rank or on none when
   // the ranks' options agree.
   const std::string& registeredRefusal() const { return registeredRefusal_; }
   // Why this engine never reads peers' plain tensors through the kernel
-  // (cross-memory attach; "" if it may, for the collectives CmaChooser
-  // chooses for, of at least options().cmaMinBytes per rank), agreed as
-  // registeredRefusal().
+  // (cross-memory attach; "" if it may, for the collectives of
+  // algorithms::readsInPlace, of at least options().cmaMinBytes per rank),
+  // agreed as registeredRefusal().
   const std::string& processRefusal() const { return processRefusal_; }
 
   // On the CPU the calls meet only pyddp's own threads (cpu_executor.h).
@@ -128,19 +130,8 @@ class RingEngine final : public Engine {
   // Starts the executor for device_ once transport_ is connected.
   void startExecutor();
   kernels::ReduceSpec spec(DataType dtype, RedOp op) const;
-  Algo allReduceAlgo(size_t bytes) const;
-  Algo gatherAlgo(size_t stagedBytes) const;
-  void allGatherBlocks(const algorithms::Call& c, Algo algo, DataType dtype, const void* in,
-                       c10::ArrayRef<void*> blocks, size_t count);
-  // Registered memory: a collective of `kind` on `bytes` per rank may read
-  // its tensors where they lie (descriptor algo Registered, compared across
-  // ranks) unless registeredRefusal() says why not, at a size
-  // readsRegistered() takes, or through the kernel (readsThroughKernel);
-  // else it runs `fallback`.
-  Algo registeredOr(CollectiveKind kind, size_t bytes, Algo fallback) const;
-  // Whether a collective of `kind` on `bytes` per rank may read peers'
-  // plain tensors through the kernel.
-  bool readsThroughKernel(CollectiveKind kind, size_t bytes) const;
+  void allGatherBlocks(const algorithms::Call& c, const algorithms::Plan& plan, DataType dtype,
+                       const void* in, c10::ArrayRef<void*> blocks, size_t count);
   // Set once connected: whyNotReadInPlace(), or every peer's registered
   // memory mapped.
   std::string whyNotReadRegistered() const;
@@ -149,16 +140,15 @@ class RingEngine final : public Engine {
   // What both need: the CPU, algo auto, a transport that maps peers'
   // memory with staging room for an algorithms::TensorWhere.
   std::string whyNotReadInPlace() const;
-  // For a collective whose descriptor says Registered: arrives with where
-  // `mine` (`bytes` long: for a reduce-scatter, its whole input) lies and
-  // runs `run(c, mem, view)` if every tensor it reads can
-  // be reached in place, else `fallback(c)` with `c` marked arrived; other
-  // descriptors run `fallback(call)`. On its kernelVoter(), where it may
-  // read through the kernel, cma_ picks whether it does and is told what it
-  // took.
+  // For a collective whose plan says Registered: arrives with where `mine`
+  // (`bytes` long: for a reduce-scatter, its whole input) lies, with its
+  // vote where it votes (cma_'s pick), and runs `run(c, mem, view)` if every
+  // tensor it reads can be reached in place, else `fallback(c)` with `c`
+  // marked arrived; then tells cma_ how a plan it voted on went. Other
+  // plans run `fallback(call)`.
   template <typename Run, typename Fallback>
-  void inPlaceOr(const algorithms::Call& call, const void* mine, size_t bytes, int root,
-                 Run&& run, Fallback&& fallback);
+  void inPlaceOr(const algorithms::Call& call, const algorithms::Plan& selected, const void* mine,
+                 size_t bytes, int root, Run&& run, Fallback&& fallback);
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   // The transport's messages, or a TypeError naming `call`.
   MessageLink& messages(const char* call) const;
@@ -177,8 +167,10 @@ class RingEngine final : public Engine {
   std::atomic<uint64_t> monitoredBarriers_{0};  // calls so far, for their tags
   std::string registeredRefusal_;  // whyNotReadRegistered(), once connected
   std::string processRefusal_;     // whyNotReadProcesses(), once connected
-  // Used by one collective at a time (the executor's, or a synchronous
-  // caller's holding the engine's turn).
+  algorithms::Capabilities caps_;  // what select() plans with, once connected
+  // The voter's choice of the kernel copy, fed the times of the plans it
+  // voted on. Used by one collective at a time (the executor's, or a
+  // synchronous caller's holding the engine's turn).
   CmaChooser cma_;
   // Where a reduction copies the pieces it reads through the kernel
   // (schedule::kernelScratchBytes; empty where the group reads none),

@@ -165,18 +165,6 @@ size_t RingOptions::stagingBytes() const {
   return std::max(directMaxBytes, twoShotMaxBytes);
 }
 
-Algo RingOptions::allReduceAlgo(size_t bytes) const {
-  if (algo != Algo::Auto) return algo;
-  if (directMaxBytes > 0 && bytes <= directMaxBytes) return Algo::Direct;
-  if (bytes <= twoShotMaxBytes) return Algo::TwoShot;
-  return Algo::Ring;
-}
-
-Algo RingOptions::gatherAlgo(size_t bytes) const {
-  if (algo == Algo::Ring || algo == Algo::Direct) return algo;
-  return directMaxBytes > 0 && bytes <= directMaxBytes ? Algo::Direct : Algo::Ring;
-}
-
 std::string hostIdOverride() {
   return envOr(kHostIdVar, "");
 }
@@ -186,17 +174,6 @@ std::map<std::string, std::string> settings() {
   for (const IntSetting& s : kIntSettings) out[s.var] = envOr(s.var, "");
   for (const char* name : kOtherVars) out[name] = envOr(name, "");
   return out;
-}
-
-bool readsRegistered(CollectiveKind kind, size_t bytes) {
-  switch (kind) {
-    case CollectiveKind::ReduceScatter:
-      return bytes >= kRegisteredReduceScatterMinBytes;
-    case CollectiveKind::AllReduce:
-      return bytes >= kRegisteredAllReduceMinBytes && bytes <= kRegisteredMaxBytes;
-    default:
-      return bytes >= kRegisteredMinBytes && bytes <= kRegisteredMaxBytes;
-  }
 }
 
 } // namespace pyddp

@@ -68,13 +68,6 @@ struct RingOptions {
   // Bytes of each staging buffer of the direct algorithms: a larger message
   // moves through them in rounds.
   size_t stagingBytes() const;
-  // The all-reduce algorithm for a message of `bytes` (never Auto).
-  Algo allReduceAlgo(size_t bytes) const;
-  // The all-gather and reduce-scatter algorithm for `bytes` staged per rank
-  // (never Auto): Ring and Direct as set; otherwise Direct up to
-  // directMaxBytes (one round, one meeting) and Ring above (which overlaps
-  // its copies, piece by piece).
-  Algo gatherAlgo(size_t bytes) const;
 };
 
 // The ring's geometry by default: the smallest of the sizes and counts that
@@ -85,16 +78,6 @@ constexpr int kDefaultNumSlots = 8;
 // direct (benchmarks/studies/direct-or-ring-for-a-small-all-reduce.md).
 constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
 constexpr size_t kDefaultTwoShotMaxBytes = 0;
-// The bytes per rank from which, and up to which, reading registered tensors
-// in place measured faster than staging them
-// (benchmarks/studies/registered-memory.md, "The window's edges").
-constexpr size_t kRegisteredMinBytes = 64 * 1024;
-constexpr size_t kRegisteredAllReduceMinBytes = 512 * 1024;
-constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
-constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
-// Whether a collective of `kind` on `bytes` per rank reads registered
-// tensors where they lie (algorithms/collectives.h) when all it reads are.
-bool readsRegistered(CollectiveKind kind, size_t bytes);
 // RingOptions::cmaMinBytes by default: below it the kernel copy lost to the
 // ring's slots or tied (benchmarks/studies/the-kernel-from-64-kib.md).
 constexpr size_t kDefaultCmaMinBytes = 64 * 1024;

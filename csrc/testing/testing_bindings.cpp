@@ -9,9 +9,12 @@
 #include <torch/python.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
+#include <utility>
 
 #include "algorithms/schedule.h"
+#include "algorithms/select.h"
 #include "backend/cma_chooser.h"
 #include "backend/torch_backend.h"
 #include "backend/torch_types.h"
@@ -47,12 +50,42 @@ DataType dtypeOf(const at::Tensor& t) {
   return *d;
 }
 
-// The kind toString() names `name`.
-CollectiveKind kindNamed(const std::string& name) {
-  for (int k = 0; k <= static_cast<int>(CollectiveKind::Recv); ++k) {
-    if (name == toString(static_cast<CollectiveKind>(k))) return static_cast<CollectiveKind>(k);
+// The value of the enum E, up to `last`, that toString() names `name`.
+template <typename E>
+E named(const std::string& name, E last, const char* what) {
+  for (int k = 0; k <= static_cast<int>(last); ++k) {
+    if (name == toString(static_cast<E>(k))) return static_cast<E>(k);
   }
-  PYDDP_CHECK_VALUE(false, "unknown collective '", name, "'");
+  PYDDP_CHECK_VALUE(false, "unknown ", what, " '", name, "'");
+}
+
+CollectiveKind kindNamed(const std::string& name) {
+  return named(name, CollectiveKind::Recv, "collective");
+}
+
+// A chooser that picks what the test says, and remembers what it was asked.
+class FakeKernelChoice final : public algorithms::KernelChoice {
+ public:
+  explicit FakeKernelChoice(algorithms::KernelPick pick) : pick_(pick) {}
+  algorithms::KernelPick peek(CollectiveKind kind, size_t bytes) const override {
+    asked_ = std::make_pair(kind, bytes);
+    return pick_;
+  }
+  const std::optional<std::pair<CollectiveKind, size_t>>& asked() const { return asked_; }
+
+ private:
+  const algorithms::KernelPick pick_;
+  mutable std::optional<std::pair<CollectiveKind, size_t>> asked_;
+};
+
+// The plan of a collective whose voter took its chooser's pick `kernel`.
+algorithms::Plan votedPlan(CollectiveKind kind, size_t bytes, bool kernel) {
+  algorithms::Plan plan;
+  plan.kind = kind;
+  plan.bytes = bytes;
+  plan.votes = true;
+  plan.reads.kernelVote = kernel;
+  return plan;
 }
 
 } // namespace
@@ -190,11 +223,16 @@ void bindTesting(py::module_& m) {
       .def_readonly_static("WARMUP_WRITES", &SlotStoreChooser::kWarmupWrites);
   py::class_<CmaChooser>(t, "CmaChooser")
       .def(py::init<CmaReads>())
-      .def("next",
-           [](CmaChooser& c, const std::string& kind, size_t bytes) {
-             const auto pick = c.next(kindNamed(kind), bytes);
+      .def("peek",
+           [](const CmaChooser& c, const std::string& kind, size_t bytes) {
+             const auto pick = c.peek(kindNamed(kind), bytes);
              return std::make_pair(pick.kernel, pick.timed);
            })
+      .def(
+          "record",
+          [](CmaChooser& c, const std::string& kind, size_t bytes, bool kernel,
+             std::optional<double> ns) { c.record(votedPlan(kindNamed(kind), bytes, kernel), ns); },
+          py::arg("kind"), py::arg("bytes"), py::arg("kernel"), py::arg("ns") = py::none())
       .def("observe",
            [](CmaChooser& c, const std::string& kind, size_t bytes, bool kernel, double ns) {
              c.observe(kindNamed(kind), bytes, kernel, ns);
@@ -203,8 +241,6 @@ void bindTesting(py::module_& m) {
            [](CmaChooser& c, const std::string& kind, size_t bytes) {
              return c.prefersKernel(kindNamed(kind), bytes);
            })
-      .def_static("chooses",
-                  [](const std::string& kind) { return CmaChooser::chooses(kindNamed(kind)); })
       .def_readonly_static("EXPLORE_EVERY", &CmaChooser::kExploreEvery)
       .def_readonly_static("EXPLORE_RUN", &CmaChooser::kExploreRun)
       .def_readonly_static("FIRST_EXPLORE", &CmaChooser::kFirstExplore)
@@ -276,6 +312,49 @@ void bindTesting(py::module_& m) {
     c.algo = d.contains("algo") ? d["algo"].cast<Algo>() : Algo::Ring;
     return c;
   };
+  // algorithms::select() of a call (the descriptor's algo: what the front
+  // end gave it), then vote() with a chooser that picks `pick` (kernel,
+  // timed): the plan's fields by name, and (kind, bytes) where the chooser
+  // was asked.
+  t.def(
+      "select",
+      [](const std::string& kind, uint64_t count, const std::string& dtype, int root,
+         const std::string& algo, const py::dict& caps, const RingOptions& options,
+         std::pair<bool, bool> pick) {
+        CollectiveDesc d;
+        d.kind = kindNamed(kind);
+        d.count = count;
+        d.dtype = named(dtype, DataType::Int64, "dtype");
+        d.root = root;
+        d.algo = named(algo, Algo::Registered, "algo");
+        const algorithms::Capabilities c{caps["rank"].cast<int>(),
+                                         caps["world_size"].cast<int>(),
+                                         caps["peer_memory"].cast<bool>(),
+                                         caps["messages"].cast<bool>(),
+                                         caps["reads_registered"].cast<bool>(),
+                                         caps["reads_through_kernel"].cast<bool>()};
+        const FakeKernelChoice chooser({pick.first, pick.second});
+        const algorithms::Plan p = algorithms::vote(algorithms::select(d, c, options), chooser);
+        py::dict out;
+        out["kind"] = toString(p.kind);
+        out["bytes"] = p.bytes;
+        out["algo"] = toString(p.algo);
+        out["staged"] = toString(p.staged);
+        out["messages"] = p.messages;
+        out["mapped"] = p.reads.mapped;
+        out["through_kernel"] = p.reads.throughKernel;
+        out["votes"] = p.votes;
+        out["kernel_vote"] = p.reads.kernelVote;
+        out["timed"] = p.timed;
+        out["asked"] = chooser.asked()
+            ? py::object(py::make_tuple(toString(chooser.asked()->first), chooser.asked()->second))
+            : py::object(py::none());
+        return out;
+      },
+      py::arg("kind"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("algo"),
+      py::arg("caps"), py::arg("options"), py::arg("pick") = std::make_pair(false, false));
+  t.def("reads_in_place",
+        [](const std::string& kind) { return algorithms::readsInPlace(kindNamed(kind)); });
   t.def("describe_desc", [=](const py::dict& d) { return describe(desc(d)); });
   // The engine a "pyddp" group of torch.distributed sends all_reduce to for
   // tensors of `device`, made as a call on such tensors makes it (a CUDA

@@ -8,10 +8,7 @@
 // over: yield, and after that sleep. With more ranks than cores a waiter
 // does not spin at all (spinPhaseFor): the peer it waits for is likely not
 // running, and spinning keeps it off the core (Open MPI yields at once
-// under --oversubscribe too). 4 ranks on 2 cores, all_reduce of 4 KiB:
-// 60.9 us spinning first, 34.0 us yielding at once (3 ranks: 69.4 and
-// 14.3 us; `python -m pyddp.bench --world-size 4`,
-// benchmarks/studies/3-and-4-ranks-on-2-cores.md).
+// under --oversubscribe too; benchmarks/studies/3-and-4-ranks-on-2-cores.md).
 //
 // A wait for a ring slot spins for much less (kPieceSpinPhase): the peer is
 // inside the same collective, moving a piece that takes microseconds, so a
@@ -39,22 +36,19 @@ namespace pyddp {
 class Backoff {
  public:
   static constexpr auto kSpinPhase = std::chrono::microseconds(20);
-  // DDP's benchmark model (pyddp/bench/ddp.py), 2 ranks on 2 cores, runs of
-  // the same processes interleaved: the worker's CPU time per step was
-  // 31.7-36.7 ms spinning 20 us for a slot, 23.3-26.7 ms spinning 2 us and
-  // 25.0 ms not spinning; synchronous all_reduce, all_gather and broadcast
-  // from 16 KiB to 64 MiB showed no difference beyond the runs' noise.
+  // How long a wait for a ring slot spins: DDP's worker took the least CPU
+  // time with it, and synchronous collectives did not slow
+  // (benchmarks/studies/ddp.md, "A slot's spin").
   static constexpr auto kPieceSpinPhase = std::chrono::microseconds(2);
   static constexpr auto kYieldPhase = std::chrono::milliseconds(2);
   static constexpr auto kSleepQuantum = std::chrono::microseconds(50);
   // Reading /proc/<pid>/stat of a peer costs microseconds: look every
   // 20 ms, which bounds how late a dead peer is noticed.
   static constexpr auto kCheckPeriod = std::chrono::milliseconds(20);
-  // Reading the clock costs about as much as a pause (24 ns against 25 on
-  // the AMD EPYC VM): a spinning wait reads it once every this many pauses,
-  // and not before the first of them, about 0.4 us, which is longer than
-  // most waits of a collective on a peer that is inside it (a 2-rank
-  // all_reduce of 4 KiB waits 0.2 us of its 0.9 on average: perf).
+  // Reading the clock costs about as much as a pause: a spinning wait reads
+  // it once every this many pauses, and not before the first of them, about
+  // 0.4 us, which is longer than most waits of a collective on a peer that
+  // is inside it (benchmarks/studies/a-waits-first-clock-reading.md).
   static constexpr uint32_t kSpinsPerClockRead = 16;
 
   // `spinPhase`: how long to spin before yielding (spinPhaseFor).

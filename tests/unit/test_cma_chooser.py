@@ -24,11 +24,12 @@ KIND = "all_gather"
 
 
 def _call(chooser, kernel_cost, slots_cost, size=SIZE, kind=KIND):
-    """One collective as rank 0 runs it, timed if the chooser asks; returns
-    whether it read through the kernel."""
-    kernel, timed = chooser.next(kind, size)
-    if timed:
-        chooser.observe(kind, size, kernel, (kernel_cost if kernel else slots_cost) * size)
+    """One collective as rank 0 runs it: the chooser's pick, then what the
+    engine tells it (its time if it asked for one); returns whether it read
+    through the kernel."""
+    kernel, timed = chooser.peek(kind, size)
+    ns = (kernel_cost if kernel else slots_cost) * size if timed else None
+    chooser.record(kind, size, kernel, ns)
     return kernel
 
 
@@ -39,7 +40,8 @@ def _calls(chooser, kernel_cost, slots_cost, n, **kwargs):
 def test_forced_modes_are_kept_and_not_timed():
     for mode, kernel in ((ALWAYS, True), (NEVER, False)):
         chooser = _testing.CmaChooser(mode)
-        assert all(chooser.next(KIND, SIZE) == (kernel, False) for _ in range(100))
+        assert all(_call(chooser, KERNEL, SLOTS_FAR) == kernel for _ in range(100))
+        assert chooser.peek(KIND, SIZE) == (kernel, False)
         assert chooser.prefers_kernel("broadcast", SIZE) == kernel
 
 
@@ -87,10 +89,9 @@ def _priced(chooser, n, cost):
     than the call before's), timed if the chooser asks; each (path, timed)."""
     calls = []
     for i in range(n):
-        kernel, timed = chooser.next(KIND, SIZE)
-        if timed:
-            switched = bool(calls) and kernel != calls[-1][0]
-            chooser.observe(KIND, SIZE, kernel, cost(i, kernel, switched) * SIZE)
+        kernel, timed = chooser.peek(KIND, SIZE)
+        switched = bool(calls) and kernel != calls[-1][0]
+        chooser.record(KIND, SIZE, kernel, cost(i, kernel, switched) * SIZE if timed else None)
         calls.append((kernel, timed))
     return calls
 
@@ -218,15 +219,31 @@ def test_each_kind_and_power_of_two_is_chosen_for_alone():
     assert chooser.prefers_kernel(KIND, 2 * SIZE - 1)
     assert not chooser.prefers_kernel(KIND, 4 * SIZE)
     # not measured yet: the kernel is tried first, its first call (cold) not timed
-    assert chooser.next(KIND, 16 * SIZE) == (True, False)
+    assert chooser.peek(KIND, 16 * SIZE) == (True, False)
 
 
 def test_the_four_collectives_with_a_kernel_path_are_chosen_for_and_no_other():
-    assert [_testing.CmaChooser.chooses(k) for k in KINDS] == [True] * 4
+    assert [_testing.reads_in_place(k) for k in KINDS] == [True] * 4
     for kind in ("barrier", "reduce", "gather", "scatter", "all_to_all", "send"):
-        assert not _testing.CmaChooser.chooses(kind)
+        assert not _testing.reads_in_place(kind)
         raises(RuntimeError, "does not read through the kernel",
-               _testing.CmaChooser(AUTO).next, kind, SIZE)
+               _testing.CmaChooser(AUTO).peek, kind, SIZE)
+        raises(RuntimeError, "does not read through the kernel",
+               _testing.CmaChooser(AUTO).record, kind, SIZE, True)
+
+
+def test_a_pick_is_only_read_until_the_call_is_recorded():
+    # The engine reads the pick when the collective runs and records the
+    # call after it: reading it again before changes nothing.
+    chooser = _testing.CmaChooser(AUTO)
+    picks = []
+    for _ in range(2 * RUN + 1):
+        pick = chooser.peek(KIND, SIZE)
+        assert chooser.peek(KIND, SIZE) == pick
+        picks.append(pick)
+        chooser.record(KIND, SIZE, pick[0], KERNEL * SIZE if pick[1] else None)
+    assert picks == [(True, False)] + [(True, True)] * (RUN - 1) + \
+        [(False, False)] + [(False, True)] * (RUN - 1) + [(False, True)]
 
 
 def test_samples_that_are_not_times_are_ignored():

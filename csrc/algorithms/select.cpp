@@ -1,0 +1,98 @@
+#include "algorithms/select.h"
+
+namespace pyddp {
+namespace algorithms {
+namespace {
+
+// The all-reduce's algorithm for `bytes`, staged. Transports without mapped
+// peer memory (NCCL) run every size on the ring.
+Algo allReduceAlgo(size_t bytes, const Capabilities& caps, const RingOptions& o) {
+  if (!caps.peerMemory) return Algo::Ring;
+  if (o.algo != Algo::Auto) return o.algo;
+  if (o.directMaxBytes > 0 && bytes <= o.directMaxBytes) return Algo::Direct;
+  if (bytes <= o.twoShotMaxBytes) return Algo::TwoShot;
+  return Algo::Ring;
+}
+
+// The all-gather's and reduce-scatter's for `bytes` staged per rank: Ring
+// and Direct as set; otherwise Direct up to directMaxBytes (one round, one
+// meeting) and Ring above (which overlaps its copies, piece by piece).
+Algo gatherAlgo(size_t bytes, const Capabilities& caps, const RingOptions& o) {
+  if (!caps.peerMemory) return Algo::Ring;
+  if (o.algo == Algo::Ring || o.algo == Algo::Direct) return o.algo;
+  return o.directMaxBytes > 0 && bytes <= o.directMaxBytes ? Algo::Direct : Algo::Ring;
+}
+
+} // namespace
+
+bool readsRegistered(CollectiveKind kind, size_t bytes) {
+  switch (kind) {
+    case CollectiveKind::ReduceScatter:
+      return bytes >= kRegisteredReduceScatterMinBytes;
+    case CollectiveKind::AllReduce:
+      return bytes >= kRegisteredAllReduceMinBytes && bytes <= kRegisteredMaxBytes;
+    default:
+      return bytes >= kRegisteredMinBytes && bytes <= kRegisteredMaxBytes;
+  }
+}
+
+Plan select(const CollectiveDesc& desc, const Capabilities& caps, const RingOptions& options) {
+  Plan p;
+  p.kind = desc.kind;
+  p.bytes = desc.count * elementSize(desc.dtype);
+  p.algo = desc.algo;
+  switch (desc.kind) {
+    case CollectiveKind::AllReduce:
+      p.algo = allReduceAlgo(p.bytes, caps, options);
+      break;
+    case CollectiveKind::AllGather:
+      p.algo = gatherAlgo(p.bytes, caps, options);
+      break;
+    case CollectiveKind::ReduceScatter:
+      // staged: a rank's whole input
+      p.algo = gatherAlgo(caps.worldSize * p.bytes, caps, options);
+      break;
+    case CollectiveKind::Broadcast:
+      p.algo = Algo::Ring;
+      break;
+    case CollectiveKind::Reduce:
+      // the all-reduce's direct algorithm for small sizes; else the ring's
+      p.algo = allReduceAlgo(p.bytes, caps, options) == Algo::Direct ? Algo::Direct : Algo::Ring;
+      p.messages = caps.messages;
+      break;
+    case CollectiveKind::Gather:
+      p.messages = caps.messages;
+      p.algo = p.messages ? Algo::Direct : Algo::Ring;
+      break;
+    case CollectiveKind::Scatter:
+      p.messages = caps.messages;
+      if (p.messages) p.algo = Algo::Direct;
+      break;
+    case CollectiveKind::AllToAll:
+      p.messages = true;
+      p.algo = Algo::Direct;
+      break;
+    default:
+      break;
+  }
+  p.staged = p.algo;
+  if (!readsInPlace(desc.kind)) return p;
+  // Options and refusals are alike on every rank, and so are these.
+  p.reads.mapped = caps.readsRegistered && readsRegistered(desc.kind, p.bytes);
+  p.reads.throughKernel =
+      caps.readsThroughKernel && options.cma != CmaReads::Never && p.bytes >= options.cmaMinBytes;
+  if (p.reads.mapped || p.reads.throughKernel) p.algo = Algo::Registered;
+  p.votes = p.reads.throughKernel && caps.rank == kernelVoter(desc.root, caps.worldSize);
+  return p;
+}
+
+Plan vote(Plan plan, const KernelChoice& chooser) {
+  if (!plan.votes) return plan;
+  const KernelPick pick = chooser.peek(plan.kind, plan.bytes);
+  plan.reads.kernelVote = pick.kernel;
+  plan.timed = pick.timed;
+  return plan;
+}
+
+} // namespace algorithms
+} // namespace pyddp
