@@ -9,7 +9,7 @@ round's time per call for each
 variant, and the last variant's time over the fastest of the others. Each
 group's first call is checked against the expected result. Comparisons:
 
-- ``slot_stores``: ``RingOptions.slot_stores`` CACHED, STREAMING and AUTO
+- ``slot_stores``: ``GroupOptions.slot_stores`` CACHED, STREAMING and AUTO
   (last/best 1: auto picked right);
 - ``cma``: all_gather and broadcast through the ring's slots (``cma``
   NEVER), through a single copy by the kernel (ALWAYS: cross-memory attach)
@@ -71,7 +71,7 @@ def _rank(rank: int, rendezvous: str, comparison: str, op: str, nbytes: int, rou
     torch.set_num_threads(1)
     groups = {}
     for name, settings in COMPARISONS[comparison]:
-        options = pyddp.RingOptions()
+        options = pyddp.GroupOptions()
         for key, value in settings.items():
             setattr(options, key, value)
         groups[name] = pyddp.new_group("shm", init_method=f"file://{rendezvous}.{name}",

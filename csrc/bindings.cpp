@@ -24,7 +24,7 @@
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
 #include "backend/registered_tensors.h"
-#include "backend/ring_engine.h"
+#include "backend/transport_engine.h"
 #include "backend/torch_backend.h"
 #include "common/check.h"
 #include "common/config.h"
@@ -245,7 +245,7 @@ const Bound& boundOf(PyObject* self) {
 // gave back the GIL once per call (one rank, 4 KiB all_reduce through
 // ProcessGroup: 1160 -> 1025 ns, interleaved runs of each). A call that
 // keeps the GIL copies no handle of a contiguous tensor on the CPU ring
-// engine's path (RingEngine::submit); one that does (a strided tensor, a
+// engine's path (TransportEngine::submit); one that does (a strided tensor, a
 // call queued behind async work) makes its copies with the GIL held, and
 // its last copy, if dropped once the GIL was given up (a wait past its
 // spin phase, or on the worker), takes the GIL once more.
@@ -515,20 +515,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("ALWAYS", CmaReads::Always)
       .value("NEVER", CmaReads::Never);
 
-  py::class_<RingOptions>(m, "RingOptions")
-      .def(py::init(&RingOptions::fromEnv), "RingOptions with defaults from PYDDP_* variables.")
-      .def(py::init<const RingOptions&>(), "A copy.")
-      .def_readwrite("slot_bytes", &RingOptions::slotBytes)
-      .def_readwrite("num_slots", &RingOptions::numSlots)
-      .def_readwrite("direct_max_bytes", &RingOptions::directMaxBytes)
-      .def_readwrite("two_shot_max_bytes", &RingOptions::twoShotMaxBytes)
-      .def_readwrite("algo", &RingOptions::algo)
-      .def_readwrite("timeout_ms", &RingOptions::timeoutMs)
-      .def_readwrite("p2p_buffer_bytes", &RingOptions::p2pBufferBytes)
-      .def_readwrite("slot_stores", &RingOptions::slotStores)
-      .def_readwrite("cma", &RingOptions::cma)
-      .def_readwrite("cma_min_bytes", &RingOptions::cmaMinBytes)
-      .def("validate", &RingOptions::validate);
+  py::class_<GroupOptions>(m, "GroupOptions")
+      .def(py::init(&GroupOptions::fromEnv), "GroupOptions with defaults from PYDDP_* variables.")
+      .def(py::init<const GroupOptions&>(), "A copy.")
+      .def_readwrite("slot_bytes", &GroupOptions::slotBytes)
+      .def_readwrite("num_slots", &GroupOptions::numSlots)
+      .def_readwrite("direct_max_bytes", &GroupOptions::directMaxBytes)
+      .def_readwrite("two_shot_max_bytes", &GroupOptions::twoShotMaxBytes)
+      .def_readwrite("algo", &GroupOptions::algo)
+      .def_readwrite("timeout_ms", &GroupOptions::timeoutMs)
+      .def_readwrite("p2p_buffer_bytes", &GroupOptions::p2pBufferBytes)
+      .def_readwrite("slot_stores", &GroupOptions::slotStores)
+      .def_readwrite("cma", &GroupOptions::cma)
+      .def_readwrite("cma_min_bytes", &GroupOptions::cmaMinBytes)
+      .def("validate", &GroupOptions::validate);
 
   m.def("settings", &settings, "Every PYDDP_* environment variable and its value.");
 
@@ -627,13 +627,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);
 
-  py::class_<RingEngine, Engine, c10::intrusive_ptr<RingEngine>>(
-      m, "RingEngine", "pyddp's ring and direct algorithms over a transport.")
-      .def_property_readonly("options", &RingEngine::options)
-      .def_property_readonly("registered_refusal", &RingEngine::registeredRefusal,
+  py::class_<TransportEngine, Engine, c10::intrusive_ptr<TransportEngine>>(
+      m, "TransportEngine", "pyddp's ring and direct algorithms over a transport.")
+      .def_property_readonly("options", &TransportEngine::options)
+      .def_property_readonly("registered_refusal", &TransportEngine::registeredRefusal,
                              "Why this engine never reads registered tensors (pyddp.empty) "
                              "in place; \"\" if it does at the sizes that measured faster.")
-      .def_property_readonly("process_refusal", &RingEngine::processRefusal,
+      .def_property_readonly("process_refusal", &TransportEngine::processRefusal,
                              "Why this engine never reads peers' plain tensors through the "
                              "kernel (cross-memory attach); \"\" if it may, as "
                              "options.cma says, from options.cma_min_bytes per rank on.");
@@ -674,7 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "make_engine",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const RingOptions& options, c10::Device device, const std::string& backend) {
+         const GroupOptions& options, c10::Device device, const std::string& backend) {
         EngineChoice choice = interruptibly(
             [&] { return makeEngine(store, rank, size, options, device, backend, torchGloo); });
         return std::make_tuple(choice.engine, choice.refusals, choice.layout);
@@ -692,7 +692,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "make_torch_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const RingOptions& options, const std::string& backend) {
+         const GroupOptions& options, const std::string& backend) {
         return interruptibly([&] {
           return c10::make_intrusive<TorchBackend>(
               store, rank, size, options, backend, torchGloo,

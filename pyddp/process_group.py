@@ -28,7 +28,10 @@ from .rendezvous import rendezvous
 logger = logging.getLogger("pyddp")
 
 ReduceOp = dist.ReduceOp
-RingOptions = _C.RingOptions
+GroupOptions = _C.GroupOptions
+# The name GroupOptions had before it served more than the ring; kept so that code
+# written for it runs.
+RingOptions = GroupOptions
 Algo = _C.Algo
 SlotStores = _C.SlotStores
 CmaReads = _C.CmaReads
@@ -185,7 +188,7 @@ class ProcessGroup:
     """
 
     def __init__(self, backend: str, store: dist.Store, prefix: str, rank: int, world_size: int,
-                 timeout: datetime.timedelta, options: RingOptions,
+                 timeout: datetime.timedelta, options: GroupOptions,
                  ranks: Optional[List[int]] = None) -> None:
         self._kind = backend
         self._store = store
@@ -245,11 +248,11 @@ class ProcessGroup:
         self._engines[device.type] = engine
         self._engine_list = tuple(self._engines.values())
         if device.type == "cpu":
-            refusal = engine.registered_refusal if isinstance(engine, _C.RingEngine) else (
+            refusal = engine.registered_refusal if isinstance(engine, _C.TransportEngine) else (
                 "the engine does not read registered tensors in place")
             logger.info("%s: registered tensors (pyddp.empty): %s", who,
                         f"read through staging: {refusal}" if refusal else "read in place")
-            refusal = engine.process_refusal if isinstance(engine, _C.RingEngine) else (
+            refusal = engine.process_refusal if isinstance(engine, _C.TransportEngine) else (
                 "the engine does not read peers' memory through the kernel")
             logger.info("%s: plain tensors: %s", who,
                         f"not read through the kernel: {refusal}" if refusal else
@@ -319,7 +322,7 @@ class ProcessGroup:
         return list(self._ranks)
 
     @property
-    def options(self) -> RingOptions:
+    def options(self) -> GroupOptions:
         return self._options
 
     @property
@@ -677,7 +680,7 @@ def init_process_group(
     world_size: Optional[int] = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     store: Optional[dist.Store] = None,
-    options: Optional[RingOptions] = None,
+    options: Optional[GroupOptions] = None,
 ) -> ProcessGroup:
     """Joins (and returns) the default process group.
 
@@ -709,7 +712,7 @@ def create_group(
     world_size: Optional[int] = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     store: Optional[dist.Store] = None,
-    options: Optional[RingOptions] = None,
+    options: Optional[GroupOptions] = None,
 ) -> ProcessGroup:
     """A group of its own, as init_process_group makes, without making it the default: every
     rank that meets through ``init_method`` (or ``store``) is a member."""
@@ -723,7 +726,7 @@ def create_group(
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, timeout)
     elif rank is None or world_size is None:
         raise ValueError("pyddp: a store needs explicit rank and world_size")
-    opts = RingOptions(options) if options is not None else RingOptions()
+    opts = GroupOptions(options) if options is not None else GroupOptions()
     opts.timeout_ms = _milliseconds(timeout)
     opts.validate()
     return ProcessGroup(backend, store, f"pyddp/{next(_group_ids)}", rank, world_size, timeout,

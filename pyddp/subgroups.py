@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple, Union
 import torch.distributed as dist
 
 from . import _C
-from .process_group import (BACKENDS, ProcessGroup, RingOptions, _check_timeout, _group,
+from .process_group import (BACKENDS, ProcessGroup, GroupOptions, _check_timeout, _group,
                             _milliseconds, create_group)
 
 
@@ -37,7 +37,7 @@ def new_group(
     ranks: Optional[List[int]] = None,
     timeout: Optional[datetime.timedelta] = None,
     backend: Optional[str] = None,
-    pg_options: Optional[RingOptions] = None,
+    pg_options: Optional[GroupOptions] = None,
     *,
     group: Optional[ProcessGroup] = None,
     **standalone,
@@ -74,7 +74,7 @@ def new_group(
 
 def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
                   timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None,
-                  pg_options: Optional[RingOptions] = None
+                  pg_options: Optional[GroupOptions] = None
                   ) -> Tuple[ProcessGroup, List[Union[ProcessGroup, NonMemberGroup]]]:
     """Splits ``group`` (default: the default group) into consecutive subgroups of
     ``group_size`` ranks, as ``torch.distributed.new_subgroups``; returns this rank's subgroup
@@ -96,22 +96,22 @@ def new_subgroups(group_size: int, group: Optional[ProcessGroup] = None,
 
 
 def _subgroup_settings(parent: ProcessGroup, timeout: Optional[datetime.timedelta],
-                       backend: Optional[str], pg_options: Optional[RingOptions]
-                       ) -> Tuple[str, datetime.timedelta, RingOptions]:
+                       backend: Optional[str], pg_options: Optional[GroupOptions]
+                       ) -> Tuple[str, datetime.timedelta, GroupOptions]:
     """A subgroup's backend, timeout and options: the arguments, else the parent's."""
     kind = parent.backend if backend is None else backend
     if kind not in BACKENDS:
         raise ValueError(f"pyddp: backend {kind!r} is not available; this build has {BACKENDS}")
     limit = parent.timeout if timeout is None else timeout
     _check_timeout(limit)
-    opts = RingOptions(pg_options if pg_options is not None else parent.options)
+    opts = GroupOptions(pg_options if pg_options is not None else parent.options)
     opts.timeout_ms = _milliseconds(limit)
     opts.validate()
     return kind, limit, opts
 
 
 def _make_subgroups(parent: ProcessGroup, member_lists: List[List[int]],
-                    settings: Tuple[str, datetime.timedelta, RingOptions], request: str,
+                    settings: Tuple[str, datetime.timedelta, GroupOptions], request: str,
                     call: str) -> List[Union[ProcessGroup, NonMemberGroup]]:
     """The subgroups of ``parent`` with these members, on the parent's next counts, made
     once every rank of the parent has asked for the same (``request``)."""

@@ -274,7 +274,7 @@ def _succeed(old: "ProcessGroup", new: "ProcessGroup") -> "ProcessGroup":
 
 def join(init_method: Optional[str] = None, *, store: Optional[dist.Store] = None,
          backend: str = "shm", timeout: datetime.timedelta = datetime.timedelta(minutes=5),
-         options: Optional["_C.RingOptions"] = None,
+         options: Optional["_C.GroupOptions"] = None,
          lineage: Optional[str] = None) -> "ProcessGroup":
     """Joins a running job from a new process (a replacement for a lost rank, say) and
     makes the group it joins this process's default group: takes a ticket on the job's
@@ -298,7 +298,7 @@ def join(init_method: Optional[str] = None, *, store: Optional[dist.Store] = Non
     logger.info("pyddp.join: ticket %d of %s; waiting to be admitted", ticket, lineage)
     store.wait([key], timeout)
     prefix, rank, size, admitted = store.get(key).decode().split("\n")
-    opts = pg.RingOptions(options) if options is not None else pg.RingOptions()
+    opts = pg.GroupOptions(options) if options is not None else pg.GroupOptions()
     opts.timeout_ms = pg._milliseconds(timeout)
     opts.validate()
     group = pg.ProcessGroup(backend, store, prefix, int(rank), int(size), timeout, opts)

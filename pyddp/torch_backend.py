@@ -49,7 +49,7 @@ def _create_torch_backend(options: "dist.distributed_c10d._DistributedBackendOpt
                           f"ranks {members} of a world of {world}",
                           "torch.distributed.new_group", timeout)
         store = dist.PrefixStore("members=" + ",".join(map(str, members)), store)
-    opts = _C.RingOptions()
+    opts = _C.GroupOptions()
     opts.timeout_ms = _milliseconds(timeout)
     opts.validate()
     backend = _C.make_torch_backend(store, rank, world_size, opts, "auto")

@@ -1,6 +1,6 @@
 // Ring schedules as pure functions: which block moves at which step, how a
 // buffer splits into blocks and a block into pieces. The ring algorithms
-// (collectives.cpp, backend/ring_engine.cpp) use them on the host; the
+// (collectives.cpp, backend/transport_engine.cpp) use them on the host; the
 // fused collectives' channel programs (device/programs.h) split their parts
 // with balancedBlock on the GPU too, so the functions are __host__
 // __device__. Unit tested through pyddp._C._testing.

@@ -6,7 +6,7 @@ namespace {
 
 // The all-reduce's algorithm for `bytes`, staged. Transports without mapped
 // peer memory (NCCL) run every size on the ring.
-Algo allReduceAlgo(size_t bytes, const Capabilities& caps, const RingOptions& o) {
+Algo allReduceAlgo(size_t bytes, const Capabilities& caps, const GroupOptions& o) {
   if (!caps.peerMemory) return Algo::Ring;
   if (o.algo != Algo::Auto) return o.algo;
   if (o.directMaxBytes > 0 && bytes <= o.directMaxBytes) return Algo::Direct;
@@ -17,7 +17,7 @@ Algo allReduceAlgo(size_t bytes, const Capabilities& caps, const RingOptions& o)
 // The all-gather's and reduce-scatter's for `bytes` staged per rank: Ring
 // and Direct as set; otherwise Direct up to directMaxBytes (one round, one
 // meeting) and Ring above (which overlaps its copies, piece by piece).
-Algo gatherAlgo(size_t bytes, const Capabilities& caps, const RingOptions& o) {
+Algo gatherAlgo(size_t bytes, const Capabilities& caps, const GroupOptions& o) {
   if (!caps.peerMemory) return Algo::Ring;
   if (o.algo == Algo::Ring || o.algo == Algo::Direct) return o.algo;
   return o.directMaxBytes > 0 && bytes <= o.directMaxBytes ? Algo::Direct : Algo::Ring;
@@ -36,7 +36,7 @@ bool readsRegistered(CollectiveKind kind, size_t bytes) {
   }
 }
 
-Plan select(const CollectiveDesc& desc, const Capabilities& caps, const RingOptions& options) {
+Plan select(const CollectiveDesc& desc, const Capabilities& caps, const GroupOptions& options) {
   Plan p;
   p.kind = desc.kind;
   p.bytes = desc.count * elementSize(desc.dtype);

@@ -1,8 +1,8 @@
-// Which algorithm a collective of RingEngine takes, and how it copies its
+// Which algorithm a collective of TransportEngine takes, and how it copies its
 // peers' data: the whole policy as pure functions of the call, what the
 // transport offers and the group's options, so that it can be read and
 // tested as a table (tests/unit/test_select.py). The engine runs the plan
-// (backend/ring_engine.cpp).
+// (backend/transport_engine.cpp).
 //
 // Two moments decide. When the call is made, select() fixes the algorithm:
 // it goes on the descriptor, which every rank compares at the arrival, so
@@ -34,11 +34,11 @@ struct Capabilities {
   // It moves messages between pairs of ranks (MessageLink): reduce, gather
   // and scatter send to or from the root alone.
   bool messages = false;
-  // Every rank maps every peer's registered tensors (RingEngine::
+  // Every rank maps every peer's registered tensors (TransportEngine::
   // registeredRefusal() is empty).
   bool readsRegistered = false;
   // Every rank reads every peer's plain tensors through the kernel
-  // (RingEngine::processRefusal() is empty).
+  // (TransportEngine::processRefusal() is empty).
   bool readsThroughKernel = false;
 };
 
@@ -119,7 +119,7 @@ bool readsRegistered(CollectiveKind kind, size_t bytes);
 
 // The plan of `desc` (as the front end made it: its algo is what a
 // collective without a choice keeps), before the vote.
-Plan select(const CollectiveDesc& desc, const Capabilities& caps, const RingOptions& options);
+Plan select(const CollectiveDesc& desc, const Capabilities& caps, const GroupOptions& options);
 
 // `plan` with its vote, where it votes: the chooser's pick, read when the
 // collective runs.

@@ -8,7 +8,7 @@
 // pyddp's entry points are the one front end of every engine: they check
 // the arguments, make the tensors contiguous, pack a coalesced call into
 // one buffer and describe the collective, then hand that plan to the
-// engine's run* (protected, below). RingEngine (pyddp's algorithms over a
+// engine's run* (protected, below). TransportEngine (pyddp's algorithms over a
 // transport), HierarchicalEngine (groups across hosts) and NcclEngine
 // (NCCL's own collectives) implement run*; the engine registry
 // (engine_registry.h) makes them.

@@ -6,7 +6,7 @@
 
 #include "backend/fused_engine.h"
 #include "backend/layout.h"
-#include "backend/ring_engine.h"
+#include "backend/transport_engine.h"
 #include "common/check.h"
 #include "transport/emulated_memory.h"
 #include "transport/factory.h"
@@ -93,10 +93,10 @@ std::string whyNotHere(const Candidate& c, const HostMap& hosts, const CrossHost
 
 c10::intrusive_ptr<Engine> make(const Candidate& c,
                                 const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                int size, const RingOptions& options, c10::Device device,
+                                int size, const GroupOptions& options, c10::Device device,
                                 const HostMap& hosts, const CrossHostFactory& gloo) {
   if (c.engine == EngineKind::Ring) {
-    return c10::make_intrusive<RingEngine>(store, rank, size, options, device, c.transport);
+    return c10::make_intrusive<TransportEngine>(store, rank, size, options, device, c.transport);
   }
   if (c.engine == EngineKind::Hierarchical) {
     return c10::make_intrusive<HierarchicalEngine>(store, rank, size, options, hosts, gloo);
@@ -150,7 +150,7 @@ std::vector<std::string> deviceTypesOf(const std::string& backend) {
 }
 
 EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                        const RingOptions& options, c10::Device device,
+                        const GroupOptions& options, c10::Device device,
                         const std::string& backend, const CrossHostFactory& gloo) {
   // Checked before the first store wait, which would wait for a rank that never comes.
   options.validate();

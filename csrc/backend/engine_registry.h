@@ -37,7 +37,7 @@ std::vector<std::string> deviceTypesOf(const std::string& backend);
 // `gloo` makes the groups between hosts; without it, CPU groups serve one
 // host.
 EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                        const RingOptions& options, c10::Device device,
+                        const GroupOptions& options, c10::Device device,
                         const std::string& backend, const CrossHostFactory& gloo = nullptr);
 
 } // namespace pyddp

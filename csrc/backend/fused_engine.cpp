@@ -60,7 +60,7 @@ std::function<void()> finishOf(Results& results) {
 } // namespace
 
 FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                         const RingOptions& options, c10::Device device,
+                         const GroupOptions& options, c10::Device device,
                          std::unique_ptr<FusedMemory> memory)
     : Engine(rank, size, device, memory->name(), store),
       options_(options),

@@ -57,7 +57,7 @@ class FusedEngine final : public Engine {
   // refusal by any rank fails every rank alike. `device`: the CPU for the
   // emulated grid, or the CUDA device whose memory `memory` is.
   FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-              const RingOptions& options, c10::Device device,
+              const GroupOptions& options, c10::Device device,
               std::unique_ptr<FusedMemory> memory);
   ~FusedEngine() override;
 
@@ -121,7 +121,7 @@ class FusedEngine final : public Engine {
   // The device's error word as a message about collective `desc`.
   std::string describeError(int64_t word, const CollectiveDesc& desc) const;
 
-  const RingOptions options_;
+  const GroupOptions options_;
   std::unique_ptr<FusedMemory> memory_;
   // memory_'s control plane's messages: the collectives' lane (link_) and
   // the user's, which p2p_ drives. Made once memory_ is connected.

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "backend/cpu_executor.h"
-#include "backend/ring_engine.h"
+#include "backend/transport_engine.h"
 #include "common/check.h"
 #include "common/descriptor.h"
 #include "common/interrupt.h"
@@ -119,7 +119,7 @@ std::string others(const std::vector<int>& group, int rank) {
 } // namespace
 
 HierarchicalEngine::HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                       int size, const RingOptions& options,
+                                       int size, const GroupOptions& options,
                                        const HostMap& hosts, const CrossHostFactory& gloo)
     : Engine(rank, size, c10::Device(c10::kCPU), "shm+gloo", store),
       options_(options),
@@ -139,7 +139,7 @@ HierarchicalEngine::HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& st
   // other.
   flat_ = gloo(prefixed("flat"), rank, size, timeout);
   if (shape_ != Shape::Gloo) {
-    localEngine_ = c10::make_intrusive<RingEngine>(prefixed("local" + std::to_string(host_)),
+    localEngine_ = c10::make_intrusive<TransportEngine>(prefixed("local" + std::to_string(host_)),
                                                    local_, localSize_, options,
                                                    c10::Device(c10::kCPU), "shm");
   }

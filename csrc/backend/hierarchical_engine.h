@@ -46,7 +46,7 @@
 namespace pyddp {
 
 class CpuExecutor;
-class RingEngine;
+class TransportEngine;
 
 // Makes a gloo group of `size` ranks on `store` (torch's ProcessGroupGloo,
 // which this extension cannot construct itself: gloo's headers do not ship
@@ -61,7 +61,7 @@ class HierarchicalEngine final : public Engine {
 
   // Blocks until every group of the composition is connected.
   HierarchicalEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                     const RingOptions& options, const HostMap& hosts,
+                     const GroupOptions& options, const HostMap& hosts,
                      const CrossHostFactory& gloo);
   ~HierarchicalEngine() override;
 
@@ -126,7 +126,7 @@ class HierarchicalEngine final : public Engine {
   void local(const std::function<WorkPtr()>& start);
   std::string translate(const std::string& localMessage) const;
 
-  const RingOptions options_;
+  const GroupOptions options_;
   const HostMap hosts_;
   const c10::intrusive_ptr<c10d::Store> store_;
   const int host_;
@@ -136,7 +136,7 @@ class HierarchicalEngine final : public Engine {
   // The engines of the composition. localEngine_ spans this host's ranks;
   // cross_ the ranks with this local rank on every host (Even) or the host
   // leaders (Leaders, only on leaders); flat_ every rank.
-  c10::intrusive_ptr<RingEngine> localEngine_;
+  c10::intrusive_ptr<TransportEngine> localEngine_;
   c10::intrusive_ptr<c10d::Backend> cross_;
   std::vector<int> crossRanks_;  // cross_'s members, by their rank in it
   c10::intrusive_ptr<c10d::Backend> flat_;

@@ -1,7 +1,7 @@
 // NcclEngine: NCCL's own collectives for CUDA tensors on one device per
 // rank. It is the baseline and test oracle of pyddp's GPU paths, and the
 // path across hosts. Collectives are enqueued from the caller's thread onto
-// an internal stream (backend/device_executor.h). Unlike RingEngine, ranks'
+// an internal stream (backend/device_executor.h). Unlike TransportEngine, ranks'
 // calls are not compared (as in torch's ProcessGroupNCCL): a mismatch hangs
 // on the device until the timeout, then fails every pending collective.
 // Several ranks on one GPU need NCCL >= 2.30 with

@@ -55,7 +55,7 @@ struct CallDevices {
 } // namespace
 
 TorchBackend::TorchBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                           const RingOptions& options, const std::string& cpuBackend,
+                           const GroupOptions& options, const std::string& cpuBackend,
                            CrossHostFactory crossHost, EngineListener onEngine)
     : RefusingBackend(rank, size, "the pyddp backend"),
       store_(std::move(store)),

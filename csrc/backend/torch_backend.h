@@ -52,7 +52,7 @@ class TorchBackend final : public RefusingBackend {
   // `store` is the group's own; the engine of each device type meets under
   // "<type>/" of it. `crossHost` makes the groups between hosts.
   TorchBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-               const RingOptions& options, const std::string& cpuBackend,
+               const GroupOptions& options, const std::string& cpuBackend,
                CrossHostFactory crossHost, EngineListener onEngine);
 
   const std::string getBackendName() const override { return "pyddp"; }
@@ -153,7 +153,7 @@ class TorchBackend final : public RefusingBackend {
   EngineChoice make(c10::Device device, const std::string& backend) const;
 
   const c10::intrusive_ptr<c10d::Store> store_;
-  const RingOptions options_;
+  const GroupOptions options_;
   const std::string cpuBackend_;
   const CrossHostFactory crossHost_;
   const EngineListener onEngine_;

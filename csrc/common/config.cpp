@@ -130,8 +130,8 @@ constexpr std::pair<const char*, CmaReads> kCmaReads[] = {
 
 } // namespace
 
-RingOptions RingOptions::fromEnv() {
-  RingOptions o;
+GroupOptions GroupOptions::fromEnv() {
+  GroupOptions o;
   o.slotBytes = static_cast<size_t>(envInt(kSlotBytes));
   o.numSlots = static_cast<int>(envInt(kNumSlots));
   o.directMaxBytes = static_cast<size_t>(envInt(kDirectMax));
@@ -146,7 +146,7 @@ RingOptions RingOptions::fromEnv() {
   return o;
 }
 
-void RingOptions::validate() const {
+void GroupOptions::validate() const {
   checkOption("slot_bytes", kSlotBytes, slotBytes);
   checkOption("num_slots", kNumSlots, numSlots);
   checkOption("direct_max_bytes", kDirectMax, directMaxBytes);
@@ -161,7 +161,7 @@ void RingOptions::validate() const {
   PYDDP_CHECK_VALUE(timeoutMs > 0, "timeout must be positive, got ", timeoutMs, " ms");
 }
 
-size_t RingOptions::stagingBytes() const {
+size_t GroupOptions::stagingBytes() const {
   return std::max(directMaxBytes, twoShotMaxBytes);
 }
 

@@ -24,11 +24,11 @@ constexpr IntRange kSlotBytesRange{64, 1LL << 30, 64};
 constexpr IntRange kNumSlotsRange{2, 1024};
 constexpr IntRange kStagingRange{0, 1LL << 30};  // direct_max_bytes, two_shot_max_bytes
 
-// RingOptions of one process group. Defaults come from the environment; Python
-// may override fields (pyddp.RingOptions) before creating the group. All
+// GroupOptions of one process group. Defaults come from the environment; Python
+// may override fields (pyddp.GroupOptions) before creating the group. All
 // ranks must use the same geometry (slotBytes, numSlots, directMaxBytes):
 // connecting checks it.
-struct RingOptions {
+struct GroupOptions {
   // Bytes per ring slot: a block moves through the ring in pieces of at most
   // this size, so copying a piece overlaps with reducing the previous one.
   size_t slotBytes;
@@ -63,7 +63,7 @@ struct RingOptions {
   CmaReads cma;
   size_t cmaMinBytes;
 
-  static RingOptions fromEnv();
+  static GroupOptions fromEnv();
   void validate() const;  // throws ValueError naming the offending setting
   // Bytes of each staging buffer of the direct algorithms: a larger message
   // moves through them in rounds.
@@ -78,7 +78,7 @@ constexpr int kDefaultNumSlots = 8;
 // direct (benchmarks/studies/direct-or-ring-for-a-small-all-reduce.md).
 constexpr size_t kDefaultDirectMaxBytes = 8 * 1024;
 constexpr size_t kDefaultTwoShotMaxBytes = 0;
-// RingOptions::cmaMinBytes by default: below it the kernel copy lost to the
+// GroupOptions::cmaMinBytes by default: below it the kernel copy lost to the
 // ring's slots or tied (benchmarks/studies/the-kernel-from-64-kib.md).
 constexpr size_t kDefaultCmaMinBytes = 64 * 1024;
 constexpr int64_t kDefaultTimeoutMs = 5 * 60 * 1000;

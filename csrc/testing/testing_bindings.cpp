@@ -260,7 +260,7 @@ void bindTesting(py::module_& m) {
   // Creates one shm segment as a group's bootstrap does, reports its name and
   // permission bits, and destroys it without ever connecting.
   t.def("probe_shm_segment", [] {
-    shm::ShmTransport transport(0, 2, RingOptions::fromEnv());
+    shm::ShmTransport transport(0, 2, GroupOptions::fromEnv());
     const std::string name = BlobReader(transport.setup(), "the shm blob").str("segment");
     struct stat st {};
     PYDDP_CHECK(stat(("/dev/shm" + name).c_str(), &st) == 0, "segment ", name, " not found");
@@ -319,7 +319,7 @@ void bindTesting(py::module_& m) {
   t.def(
       "select",
       [](const std::string& kind, uint64_t count, const std::string& dtype, int root,
-         const std::string& algo, const py::dict& caps, const RingOptions& options,
+         const std::string& algo, const py::dict& caps, const GroupOptions& options,
          std::pair<bool, bool> pick) {
         CollectiveDesc d;
         d.kind = kindNamed(kind);

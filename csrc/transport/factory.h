@@ -15,7 +15,7 @@ namespace pyddp {
 struct TransportArgs {
   int rank;
   int size;
-  RingOptions options;
+  GroupOptions options;
   // -1 for the CPU, else the CUDA device index.
   int device;
   // The cudaStream_t every verb of a device transport is enqueued on; the

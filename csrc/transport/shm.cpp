@@ -21,7 +21,7 @@ kernels::Incoming incoming(Hop hop) {
 
 } // namespace
 
-ShmTransport::ShmTransport(int rank, int worldSize, const RingOptions& options)
+ShmTransport::ShmTransport(int rank, int worldSize, const GroupOptions& options)
     : rank_(rank),
       worldSize_(worldSize),
       slotBytes_(options.slotBytes),

@@ -7,7 +7,7 @@
 //   [ ControlHeader | DataHeader | ring slots: numSlots x slotBytes |
 //     staging: 2 x directBytes ]
 //
-// (directBytes: RingOptions::stagingBytes(), rounded up to a cache line.)
+// (directBytes: GroupOptions::stagingBytes(), rounded up to a cache line.)
 //
 // - the control plane (shm_control.h): the segment's lifecycle, arrival
 //   and the descriptor check, liveness and giving up;
@@ -91,7 +91,7 @@ class ShmTransport final : public Transport,
                           public LocalOps,
                           public PeerMemory {
  public:
-  ShmTransport(int rank, int worldSize, const RingOptions& options);
+  ShmTransport(int rank, int worldSize, const GroupOptions& options);
   ~ShmTransport() override;
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;

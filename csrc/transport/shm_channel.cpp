@@ -824,7 +824,7 @@ void ShmMessages::abort(const std::string& why) {
 }
 
 MessageLanes::MessageLanes(int rank, int worldSize, ControlPlane& control,
-                           const RingOptions& options)
+                           const GroupOptions& options)
     : control_(control),
       rank_(rank),
       worldSize_(worldSize),

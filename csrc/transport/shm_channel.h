@@ -322,7 +322,7 @@ class MessageLanes {
  public:
   // `control` (rank `rank` of `worldSize`) outlives the lanes; `options`
   // gives the channels' slots and the user's lane's aside budget.
-  MessageLanes(int rank, int worldSize, ControlPlane& control, const RingOptions& options);
+  MessageLanes(int rank, int worldSize, ControlPlane& control, const GroupOptions& options);
   ~MessageLanes();
   MessageLanes(const MessageLanes&) = delete;
   MessageLanes& operator=(const MessageLanes&) = delete;

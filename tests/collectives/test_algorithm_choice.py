@@ -27,7 +27,7 @@ def _gather_algo_by_size(ctx: RankContext) -> list:
     for each difference, each on a group of its own."""
     n, r = ctx.world_size, ctx.rank
     # float32 elements: one past direct_max_bytes, below registered memory's 64 KiB
-    past_direct = pyddp.RingOptions().direct_max_bytes // 4 + 1
+    past_direct = pyddp.GroupOptions().direct_max_bytes // 4 + 1
     assert 4 * past_direct < 64 * 1024, "the all_gather case needs a size between the two"
 
     def all_gather(pg, k):
@@ -40,7 +40,7 @@ def _gather_algo_by_size(ctx: RankContext) -> list:
              ("registered", reduce_scatter, past_direct)]
     messages = []
     for i, (expected, call, count) in enumerate(cases):
-        options = pyddp.RingOptions()
+        options = pyddp.GroupOptions()
         options.algo = pyddp.Algo.AUTO if r == 0 else pyddp.Algo.RING
         pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(f"by-size-{i}"), n),
                              rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),

@@ -37,7 +37,7 @@ GROUPS = ("auto", "ring", "direct", "two_shot", "streaming")
 
 def _setup(ctx: RankContext) -> None:
     def group(name: str, backend: str = "shm", **opts) -> pyddp.ProcessGroup:
-        options = pyddp.RingOptions()
+        options = pyddp.GroupOptions()
         for key, value in opts.items():
             setattr(options, key, value)
         store = dist.FileStore(ctx.store_path(name), ctx.world_size)
@@ -201,7 +201,7 @@ def _async_work(ctx: RankContext) -> None:
 
 def _queued_calls_own_their_tensors(ctx: RankContext) -> None:
     """A call run at once borrows its tensors; one queued behind running work
-    keeps them (RingEngine::submit): temporaries that nothing else holds, and
+    keeps them (TransportEngine::submit): temporaries that nothing else holds, and
     whose memory the allocator hands out again at once, still give the
     right results."""
     pg = ctx.groups["auto"]

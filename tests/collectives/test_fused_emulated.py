@@ -32,7 +32,7 @@ ALGOS = {"one_shot": pyddp.Algo.DIRECT, "two_shot": pyddp.Algo.TWO_SHOT}
 
 
 def _group(ctx: RankContext, name: str, algo=pyddp.Algo.AUTO, timeout=TIMEOUT):
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.slot_bytes = CHUNK
     options.algo = algo
     if algo == pyddp.Algo.TWO_SHOT:

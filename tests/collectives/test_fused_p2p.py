@@ -34,7 +34,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64]
 
 
 def _group(ctx: RankContext, backend: str):
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.slot_bytes = SLOT
     return pyddp.create_group(backend, store=dist.FileStore(ctx.store_path(backend),
                                                             ctx.world_size),
@@ -45,7 +45,7 @@ def _group(ctx: RankContext, backend: str):
 def _setup(ctx: RankContext) -> None:
     for backend in ("emulated", "shm"):
         ctx.groups[backend] = _group(ctx, backend)
-    # the fused engine on the emulated grid, not a ring engine
+    # the fused engine on the emulated grid, not a transport engine
     assert ctx.groups["emulated"].transports() == {"cpu": "emulated"}
 
 

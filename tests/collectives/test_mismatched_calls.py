@@ -54,7 +54,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
         messages.append(raises(dist.DistBackendError, "differs between ranks", call, pg))
     # The algorithm is part of the call too: ranks configured differently
     # (PYDDP_ALGO) must not run different algorithms against each other.
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.algo = pyddp.Algo.DIRECT if r == 0 else pyddp.Algo.RING
     pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path("mismatch-algo"), n),
                          rank=r, world_size=n, timeout=datetime.timedelta(seconds=30),
@@ -66,7 +66,7 @@ def _mismatch_fields(ctx: RankContext) -> list:
 
 
 def _mismatched_geometry(ctx: RankContext) -> str:
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.slot_bytes = 128 * (ctx.rank + 1)
     return raises(ValueError, "use different shm geometry", pyddp.new_group, "shm",
                    store=dist.FileStore(ctx.store_path("geometry"), ctx.world_size),

@@ -39,7 +39,7 @@ BIG = 16 * 1024 * 1024  # float32 elements: 64 MiB
 def _setup(ctx: RankContext) -> None:
     n = ctx.world_size
     # 256-byte slots: messages of a few hundred elements take many pieces.
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.slot_bytes = 256
     ctx.groups["small"] = pyddp.create_group(
         "shm", store=dist.FileStore(ctx.store_path("small"), n), rank=ctx.rank, world_size=n,
@@ -303,7 +303,7 @@ def _rss_bytes() -> int:
 
 
 def _bounded_aside(ctx: RankContext) -> tuple:
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.p2p_buffer_bytes = 8 << 20
     # Rank 1 gives up on its receive of tag 2 after 2 s; rank 0's sends wait
     # for rank 1 to receive them after that.

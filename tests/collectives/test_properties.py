@@ -208,7 +208,7 @@ def _issue(pg: pyddp.ProcessGroup, call: Call, mine: np.ndarray, rank: int):
 def _make_group(ctx: RankContext, example: int, config: str, timeout: float
                 ) -> pyddp.ProcessGroup:
     """A fresh group per example: a failure cannot spill into the next one."""
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     for key, value in CONFIGS[config].items():
         setattr(options, key, getattr(pyddp.Algo, value) if key == "algo" else value)
     store = dist.FileStore(ctx.store_path(f"prop-{example}"), ctx.world_size)

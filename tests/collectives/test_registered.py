@@ -39,7 +39,7 @@ def maps_made() -> int:
 
 
 def _group(ctx: RankContext, name: str, timeout_s: float = 60, **opts) -> pyddp.ProcessGroup:
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     for key, value in opts.items():
         setattr(options, key, value)
     store = dist.FileStore(ctx.store_path(name), ctx.world_size)

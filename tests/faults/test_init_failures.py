@@ -152,7 +152,7 @@ def test_env_rendezvous_names_the_missing_rank(monkeypatch):
 
 
 def _geometry_with_store_host(ctx: RankContext, port: int) -> str:
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.slot_bytes = 128 * (ctx.rank + 1)
     if ctx.rank == 0:
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,

@@ -68,7 +68,7 @@ def _setup(ctx: RankContext) -> None:
     ctx.state["device"] = device
 
     def group(name: str, backend: str, **opts) -> pyddp.ProcessGroup:
-        options = pyddp.RingOptions()
+        options = pyddp.GroupOptions()
         for key, value in opts.items():
             setattr(options, key, value)
         store = dist.FileStore(ctx.store_path(name), ctx.world_size)

@@ -32,7 +32,7 @@ MULTI_RANK_NCCL = (2, 30, 0)
 
 
 def _nccl_engine(store, rank: int, size: int, timeout_ms: int, device: int):
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.timeout_ms = timeout_ms
     engine, _, _ = _C.make_engine(store, rank, size, options, torch.device("cuda", device), "nccl")
     return engine

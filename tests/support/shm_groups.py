@@ -32,7 +32,7 @@ def named_group(ctx: RankContext, name: str, timeout=datetime.timedelta(seconds=
 
 def ring_group(ctx: RankContext, name: str, timeout: datetime.timedelta) -> pyddp.ProcessGroup:
     """A group that always uses the ring; each rank may pass its own timeout."""
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.algo = pyddp.Algo.RING
     pg = pyddp.new_group("shm", store=dist.FileStore(ctx.store_path(name), ctx.world_size),
                          rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,

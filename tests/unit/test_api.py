@@ -39,6 +39,8 @@ def test_public_names():
     for name in pyddp.__all__:
         assert hasattr(pyddp, name), name
     assert pyddp.Algo is _C.Algo and pyddp.SlotStores is _C.SlotStores
+    # The options' earlier name stays, for code written with it.
+    assert pyddp.GroupOptions is _C.GroupOptions and pyddp.RingOptions is pyddp.GroupOptions
     assert pyddp.has_cuda() is _C.has_cuda
     assert isinstance(pyddp.__version__, str) and pyddp.__version__.count(".") == 2
     assert tuple(_C.backend_names()) == pyddp.BACKENDS
@@ -49,7 +51,7 @@ def test_the_extension_matches_the_running_torch():
 
 
 def test_engines_share_one_base_class():
-    assert issubclass(_C.RingEngine, _C.Engine)
+    assert issubclass(_C.TransportEngine, _C.Engine)
     assert issubclass(_C.Engine, torch._C._distributed_c10d.Backend)
     if _C.has_cuda:
         assert issubclass(_C.NcclEngine, _C.Engine)

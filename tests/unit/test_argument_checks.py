@@ -33,15 +33,15 @@ def test_bad_group_arguments():
                         timeout=datetime.timedelta(0))
     with pytest.raises(ValueError, match="is not in"):
         pyddp.new_group("shm", store=dist.HashStore(), rank=2, world_size=2)
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.num_slots = 1
     with pytest.raises(ValueError, match="num_slots"):
         pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1, options=options)
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.algo, options.direct_max_bytes = pyddp.Algo.DIRECT, 0
     with pytest.raises(ValueError, match="algo=direct .* needs direct_max_bytes"):
         options.validate()
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     options.algo, options.direct_max_bytes = pyddp.Algo.TWO_SHOT, 0
     with pytest.raises(ValueError, match="algo=two_shot .* needs direct_max_bytes"):
         options.validate()
@@ -57,7 +57,7 @@ def test_gpu_backends_are_refused_by_a_cpu_build():
         with pytest.raises(ValueError, match=f"backend '{backend}' is not available"):
             pyddp.new_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(TypeError, match="built without CUDA"):
-        pyddp._C.make_engine(dist.HashStore(), 0, 1, pyddp.RingOptions(), torch.device("cuda", 0),
+        pyddp._C.make_engine(dist.HashStore(), 0, 1, pyddp.GroupOptions(), torch.device("cuda", 0),
                              "auto")
 
 

@@ -113,7 +113,7 @@ def test_a_group_answers_through_its_direct_entries_as_through_its_methods(monke
             calls.append(op)
             return super().all_reduce(tensor, op, async_op)
     mine = Counting("shm", dist.HashStore(), "counting", 0, 1, datetime.timedelta(seconds=30),
-                    pyddp.RingOptions())
+                    pyddp.GroupOptions())
     try:
         assert "all_reduce" not in vars(mine) and "barrier" in vars(mine)
         assert mine.all_reduce(t, ReduceOp.MAX) is None and calls == [ReduceOp.MAX]

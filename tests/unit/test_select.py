@@ -1,4 +1,4 @@
-"""The plan RingEngine runs for each collective (csrc/algorithms/select.h), as a table:
+"""The plan TransportEngine runs for each collective (csrc/algorithms/select.h), as a table:
 (the call, what the transport offers, the options) -> the algorithm on the descriptor,
 the one that runs where the tensors are not read in place, messages or not, and the copy
 path (registered tensors mapped, plain ones through the kernel, the voter's vote). Every
@@ -43,7 +43,7 @@ CUDA_IPC = caps(messages=False)  # mapped staging buffers, no messages
 
 
 def options(algo=AUTO, direct=8 * KiB, two_shot=0, cma=CMA_AUTO, cma_min=64 * KiB):
-    o = pyddp.RingOptions()
+    o = pyddp.GroupOptions()
     o.algo, o.direct_max_bytes, o.two_shot_max_bytes = algo, direct, two_shot
     o.cma, o.cma_min_bytes = cma, cma_min
     return o

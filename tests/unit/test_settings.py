@@ -20,7 +20,7 @@ import pyddp
 from paths import REPO as ROOT
 from pyddp import _C
 
-# Integer variables: (RingOptions field, min, max, step), as the README's settings
+# Integer variables: (GroupOptions field, min, max, step), as the README's settings
 # table documents them.
 INT64_MAX = 2**63 - 1
 INTEGERS: Dict[str, Tuple[str, int, int, int]] = {
@@ -31,7 +31,7 @@ INTEGERS: Dict[str, Tuple[str, int, int, int]] = {
     "PYDDP_P2P_BUFFER_BYTES": ("p2p_buffer_bytes", 0, INT64_MAX, 1),
     "PYDDP_CMA_MIN_BYTES": ("cma_min_bytes", 0, INT64_MAX, 1),
 }
-# Choice variables: (RingOptions field, {text: value}).
+# Choice variables: (GroupOptions field, {text: value}).
 CHOICES = {
     "PYDDP_ALGO": ("algo", {"auto": pyddp.Algo.AUTO, "ring": pyddp.Algo.RING,
                             "direct": pyddp.Algo.DIRECT, "two_shot": pyddp.Algo.TWO_SHOT}),
@@ -66,9 +66,9 @@ def env(monkeypatch):
     return monkeypatch
 
 
-def options_with(env, name: str, text: str) -> Optional[_C.RingOptions]:
+def options_with(env, name: str, text: str) -> Optional[_C.GroupOptions]:
     env.setenv(name, text)
-    return pyddp.RingOptions()
+    return pyddp.GroupOptions()
 
 
 def test_every_variable_read_is_in_this_table():
@@ -80,7 +80,7 @@ def test_every_variable_read_is_in_this_table():
 @pytest.mark.parametrize("name", sorted(INTEGERS))
 def test_integer_variables(env, name):
     field, low, high, step = INTEGERS[name]
-    default = getattr(pyddp.RingOptions(), field)
+    default = getattr(pyddp.GroupOptions(), field)
     assert getattr(options_with(env, name, ""), field) == default, "empty is unset"
     candidates = {low, high, low + step, high - step, low - 1, high + 1, low - step,
                   high + step, 0, -1, -2**32 + 2, 2**32 + 2, 2**64 - 64, 2**64, 10**20,
@@ -115,10 +115,10 @@ def test_choice_variables(env, name):
 
 
 def test_options_set_in_python_are_checked_as_set():
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     for field, value in (("slot_bytes", 2**64 - 64), ("num_slots", 1), ("num_slots", 1025),
                          ("direct_max_bytes", 2**30 + 1), ("cma_min_bytes", 2**63)):
-        changed = pyddp.RingOptions(options)
+        changed = pyddp.GroupOptions(options)
         setattr(changed, field, value)
         with pytest.raises(ValueError, match=rf"{field} \(PYDDP_\w+\) must be .*got {value}$"):
             changed.validate()
@@ -160,7 +160,7 @@ def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("PYDDP_DIRECT_MAX_BYTES", "0")
     monkeypatch.setenv("PYDDP_ALGO", "ring")
     monkeypatch.setenv("PYDDP_SLOT_STORES", "streaming")
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     assert (options.slot_bytes, options.num_slots, options.direct_max_bytes, options.algo,
             options.slot_stores) == (4096, 3, 0, pyddp.Algo.RING, pyddp.SlotStores.STREAMING)
     pg = pyddp.new_group("shm", store=dist.HashStore(), rank=0, world_size=1)
@@ -173,14 +173,14 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert pyddp._C.settings()["PYDDP_SLOT_STORES"] == "streaming"
     for text, kind in (("cached", pyddp.SlotStores.CACHED), ("auto", pyddp.SlotStores.AUTO)):
         monkeypatch.setenv("PYDDP_SLOT_STORES", text)
-        assert pyddp.RingOptions().slot_stores == kind
+        assert pyddp.GroupOptions().slot_stores == kind
     monkeypatch.delenv("PYDDP_SLOT_STORES")
-    assert pyddp.RingOptions().slot_stores == pyddp.SlotStores.AUTO
-    options = pyddp.RingOptions()
+    assert pyddp.GroupOptions().slot_stores == pyddp.SlotStores.AUTO
+    options = pyddp.GroupOptions()
     assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.AUTO, 64 * 1024)
     monkeypatch.setenv("PYDDP_CMA_MIN_BYTES", "1048576")
     monkeypatch.setenv("PYDDP_CMA", "never")
-    options = pyddp.RingOptions()
+    options = pyddp.GroupOptions()
     assert (options.cma, options.cma_min_bytes) == (pyddp.CmaReads.NEVER, 1 << 20)
     monkeypatch.setenv("PYDDP_CMA", "always")
-    assert pyddp.RingOptions().cma == pyddp.CmaReads.ALWAYS
+    assert pyddp.GroupOptions().cma == pyddp.CmaReads.ALWAYS

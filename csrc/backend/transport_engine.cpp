@@ -1,4 +1,4 @@
-#include "backend/ring_engine.h"
+#include "backend/transport_engine.h"
 
 #include <chrono>
 #include <optional>
@@ -23,7 +23,7 @@ namespace {
 using Ms = std::chrono::milliseconds;
 
 // What a queued collective keeps of what its transfer uses
-// (RingEngine::submit), and the same added to the list of its tensors.
+// (TransportEngine::submit), and the same added to the list of its tensors.
 at::Tensor owned(const at::Tensor& tensor) {
   return tensor;
 }
@@ -67,15 +67,15 @@ bool overlapsPeerBlock(const void* p, size_t bytes, c10::ArrayRef<Ptr> blocks,
 
 } // namespace
 
-RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       const RingOptions& options, c10::Device device,
+TransportEngine::TransportEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       const GroupOptions& options, c10::Device device,
                        const std::string& transport)
     : Engine(rank, size, device, transport, store), options_(options), cma_(options.cma) {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
   PYDDP_CHECK_VALUE(device.is_cpu() || (device.is_cuda() && device.has_index()), "rank ", rank,
-                    ": RingEngine serves the CPU or one CUDA device (cuda:N), not ", device);
+                    ": TransportEngine serves the CPU or one CUDA device (cuda:N), not ", device);
   void* stream = nullptr;
   if (device.is_cpu()) {
     auto cpu = std::make_unique<CpuExecutor>(rank, options_.timeoutMs);
@@ -108,7 +108,7 @@ RingEngine::RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   startExecutor();
 }
 
-void RingEngine::startExecutor() {
+void TransportEngine::startExecutor() {
   if (cpuExec_) {
     cpuExec_->start(CpuExecutor::hooksOf(*transport_));
     return;
@@ -126,15 +126,15 @@ void RingEngine::startExecutor() {
 #endif
 }
 
-void RingEngine::abandon(const std::string& why) {
+void TransportEngine::abandon(const std::string& why) {
   transport_->abandon(why);
 }
 
-RingEngine::~RingEngine() {
+TransportEngine::~TransportEngine() {
   shutDown(Teardown::Destroyed);
 }
 
-void RingEngine::shutDown(Teardown how) {
+void TransportEngine::shutDown(Teardown how) {
   if (p2p_) {
     p2p_->shutdown(teardownReason(rank_, transport_ ? transport_->deadPeer() : "", how));
   }
@@ -147,7 +147,7 @@ void RingEngine::shutDown(Teardown how) {
 }
 
 template <typename Transfer, typename... Uses>
-WorkPtr RingEngine::submit(CollectiveDesc desc, Results& results,
+WorkPtr TransportEngine::submit(CollectiveDesc desc, Results& results,
                            std::tuple<const Uses&...> uses, Transfer&& transfer,
                            const CallOptions& call) {
   const auto borrowed = [&](const CollectiveDesc& d, Deadline deadline) {
@@ -184,7 +184,7 @@ WorkPtr RingEngine::submit(CollectiveDesc desc, Results& results,
 }
 
 template <typename Transfer>
-WorkPtr RingEngine::submit(CollectiveDesc desc, Results& results, c10::ArrayRef<at::Tensor> uses,
+WorkPtr TransportEngine::submit(CollectiveDesc desc, Results& results, c10::ArrayRef<at::Tensor> uses,
                            Transfer&& transfer, const CallOptions& call) {
   return submit(
       desc, results, std::tuple<const c10::ArrayRef<at::Tensor>&>(uses),
@@ -193,22 +193,22 @@ WorkPtr RingEngine::submit(CollectiveDesc desc, Results& results, c10::ArrayRef<
       call);
 }
 
-kernels::ReduceSpec RingEngine::spec(DataType dtype, RedOp op) const {
+kernels::ReduceSpec TransportEngine::spec(DataType dtype, RedOp op) const {
   return kernels::ReduceSpec{dtype, op, size_};
 }
 
-MessageLink& RingEngine::messages(const char* call) const {
+MessageLink& TransportEngine::messages(const char* call) const {
   PYDDP_CHECK_TYPE(link_ != nullptr, "rank ", rank_, ": ", call, " moves messages between "
                    "pairs of ranks, which pyddp's ", transport_->name(), " transport does not "
                    "have (CUDA tensors: use the backend \"nccl\")");
   return *link_;
 }
 
-std::chrono::milliseconds RingEngine::timeoutOf(const CallOptions& call) const {
+std::chrono::milliseconds TransportEngine::timeoutOf(const CallOptions& call) const {
   return call.timeout.count() > 0 ? call.timeout : Ms(options_.timeoutMs);
 }
 
-std::string RingEngine::whyNotReadInPlace() const {
+std::string TransportEngine::whyNotReadInPlace() const {
   const PeerMemory* mem = transport_->peerMemory();
   if (!cpuExec_) return "the tensors are not in CPU memory";
   if (options_.algo != Algo::Auto) {
@@ -222,18 +222,18 @@ std::string RingEngine::whyNotReadInPlace() const {
   return "";
 }
 
-std::string RingEngine::whyNotReadRegistered() const {
+std::string TransportEngine::whyNotReadRegistered() const {
   const std::string why = whyNotReadInPlace();
   return why.empty() ? transport_->peerMemory()->whyNotMapRegistered() : why;
 }
 
-std::string RingEngine::whyNotReadProcesses() const {
+std::string TransportEngine::whyNotReadProcesses() const {
   const std::string why = whyNotReadInPlace();
   return why.empty() ? transport_->peerMemory()->whyNotReadProcesses() : why;
 }
 
 template <typename Run, typename Fallback>
-void RingEngine::inPlaceOr(const algorithms::Call& call, const algorithms::Plan& selected,
+void TransportEngine::inPlaceOr(const algorithms::Call& call, const algorithms::Plan& selected,
                            const void* mine, size_t bytes, int root, Run&& run,
                            Fallback&& fallback) {
   if (selected.algo != Algo::Registered) return fallback(call);
@@ -261,7 +261,7 @@ void RingEngine::inPlaceOr(const algorithms::Call& call, const algorithms::Plan&
   cma_.record(plan, nanoseconds);
 }
 
-void RingEngine::allGatherBlocks(const algorithms::Call& call, const algorithms::Plan& plan,
+void TransportEngine::allGatherBlocks(const algorithms::Call& call, const algorithms::Plan& plan,
                                  DataType dtype, const void* in, c10::ArrayRef<void*> blocks,
                                  size_t count) {
   const size_t bytes = count * elementSize(dtype);
@@ -283,7 +283,7 @@ void RingEngine::allGatherBlocks(const algorithms::Call& call, const algorithms:
       });
 }
 
-WorkPtr RingEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
+WorkPtr TransportEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
                                  Results results, const CallOptions& call) {
   const kernels::ReduceSpec s = spec(desc.dtype, desc.op);
   const size_t count = desc.count;
@@ -316,7 +316,7 @@ WorkPtr RingEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& b
       call);
 }
 
-WorkPtr RingEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& in,
+WorkPtr TransportEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& in,
                               const at::Tensor& out, Results results, const CallOptions& call) {
   const size_t count = desc.count;
   const int root = desc.root;
@@ -340,7 +340,7 @@ WorkPtr RingEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& in,
       call);
 }
 
-WorkPtr RingEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& in,
+WorkPtr TransportEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& in,
                                  const RankBlocks& output, Results results,
                                  const CallOptions& call) {
   const DataType dtype = desc.dtype;
@@ -372,7 +372,7 @@ WorkPtr RingEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& i
                 call);
 }
 
-WorkPtr RingEngine::runGather(const CollectiveDesc& desc, const at::Tensor& in,
+WorkPtr TransportEngine::runGather(const CollectiveDesc& desc, const at::Tensor& in,
                               const RankBlocks& output, Results results,
                               const CallOptions& call) {
   const DataType dtype = desc.dtype;
@@ -400,7 +400,7 @@ WorkPtr RingEngine::runGather(const CollectiveDesc& desc, const at::Tensor& in,
       call);
 }
 
-WorkPtr RingEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
+WorkPtr TransportEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
                                  Results results, const CallOptions& call) {
   const algorithms::Plan plan = algorithms::select(desc, caps_, options_);
   const int src = desc.root;
@@ -420,7 +420,7 @@ WorkPtr RingEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& b
       call);
 }
 
-WorkPtr RingEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tensor& in,
+WorkPtr TransportEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tensor& in,
                                      const at::Tensor& out, Results results,
                                      const CallOptions& call) {
   const kernels::ReduceSpec s = spec(desc.dtype, desc.op);
@@ -458,13 +458,13 @@ WorkPtr RingEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tenso
       call);
 }
 
-WorkPtr RingEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
+WorkPtr TransportEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
   Results none;
   return submit(desc, none, std::tuple<>(),
                 [](const algorithms::Call& c) { algorithms::barrier(c); }, call);
 }
 
-WorkPtr RingEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& input,
+WorkPtr TransportEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& input,
                                const at::Tensor& out, Results results, const CallOptions& call) {
   const DataType dtype = desc.dtype;
   const size_t count = desc.count;
@@ -502,7 +502,7 @@ WorkPtr RingEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& inp
                 call);
 }
 
-WorkPtr RingEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& in,
+WorkPtr TransportEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& in,
                                 const at::Tensor& out, const ArgChecks::AllToAll& a,
                                 Results results, const CallOptions& call) {
   MessageLink& link = messages(desc.count == 0 ? "all_to_all" : "all_to_all_single");
@@ -516,7 +516,7 @@ WorkPtr RingEngine::runAllToAll(const CollectiveDesc& desc, const at::Tensor& in
       call);
 }
 
-WorkPtr RingEngine::runSend(const at::Tensor& tensor, int dst, int64_t tag,
+WorkPtr TransportEngine::runSend(const at::Tensor& tensor, int dst, int64_t tag,
                             const CallOptions& call) {
   messages("send");
   auto work = p2p_->send(tensor, dst, tag, timeoutOf(call));
@@ -524,7 +524,7 @@ WorkPtr RingEngine::runSend(const at::Tensor& tensor, int dst, int64_t tag,
   return work;
 }
 
-WorkPtr RingEngine::runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
+WorkPtr TransportEngine::runRecv(const at::Tensor& buf, int src, int64_t tag, Results results,
                             const CallOptions& call) {
   messages("recv");
   static_assert(kAnySource == MessageLink::kAnySource);
@@ -534,7 +534,7 @@ WorkPtr RingEngine::runRecv(const at::Tensor& buf, int src, int64_t tag, Results
   return work;
 }
 
-void RingEngine::runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+void TransportEngine::runMonitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   messages("monitored_barrier");
   const Ms groupTimeout(options_.timeoutMs);
   const Ms timeout = opts.timeout == c10d::kUnsetTimeout ? groupTimeout : opts.timeout;

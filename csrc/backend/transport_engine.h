@@ -1,4 +1,4 @@
-// RingEngine: pyddp's algorithms (algorithms/) over one transport, for the
+// TransportEngine: pyddp's algorithms (algorithms/) over one transport, for the
 // tensors of one device: shm for the CPU; cuda_ipc, or NCCL send/recv for
 // rings across hosts, for a CUDA device. Each entry point checks its
 // arguments (a refused call leaves the group usable), plans the collective
@@ -34,18 +34,18 @@ class CpuExecutor;
 class DeviceExecutor;
 class P2pExecutor;
 
-class RingEngine final : public Engine {
+class TransportEngine final : public Engine {
  public:
   // Blocks until every rank has connected `transport` (a name from
   // transport/factory.h that serves `device`), bounded by
   // options.timeoutMs; a refusal by any rank fails every rank alike,
   // naming it.
-  RingEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-             const RingOptions& options, c10::Device device, const std::string& transport);
-  ~RingEngine() override;
+  TransportEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+             const GroupOptions& options, c10::Device device, const std::string& transport);
+  ~TransportEngine() override;
 
   const std::string getBackendName() const override { return "pyddp"; }
-  const RingOptions& options() const { return options_; }
+  const GroupOptions& options() const { return options_; }
   // Why this engine never reads registered tensors in place ("" if it may,
   // at the sizes algorithms::readsRegistered() takes): "" on every rank or on none when
   // the ranks' options agree.
@@ -153,7 +153,7 @@ class RingEngine final : public Engine {
   // The transport's messages, or a TypeError naming `call`.
   MessageLink& messages(const char* call) const;
 
-  const RingOptions options_;
+  const GroupOptions options_;
   // Declared before the transport, so destroyed after it: a device
   // transport enqueues on the executor's stream.
   std::unique_ptr<Executor> executor_;
