@@ -53,13 +53,18 @@ def rendezvous(
         )
     )
     store.set_timeout(timeout)
+    return _this_attempt(scheme, store), r, w
+
+
+def _this_attempt(scheme: str, store: dist.Store) -> dist.Store:
+    """``store``, or under torchrun (env://) the part of it that this attempt of the job
+    uses: torchrun may keep its store across the restarts of a job, and the keys of an
+    earlier attempt (a dead rank's segment name among them) must not be read as this
+    attempt's."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if scheme == "env" and restart is not None:
-        # torchrun may keep its store across the restarts of a job: the keys of
-        # an earlier attempt (a dead rank's segment name among them) must not be
-        # read as this attempt's.
-        store = dist.PrefixStore(f"pyddp/attempt{restart}", store)
-    return store, r, w
+    if scheme != "env" or restart is None:
+        return store
+    return dist.PrefixStore(f"pyddp/attempt{restart}", store)
 
 
 def _hosted_tcp_store(scheme: str, init_method: str, rank: Optional[int],
@@ -112,7 +117,8 @@ def client_store(init_method: str, timeout: datetime.timedelta) -> dist.Store:
     if not host or not port:
         raise ValueError(f"pyddp: init_method {init_method!r} names no store address "
                          "(env:// reads MASTER_ADDR and MASTER_PORT)")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return _this_attempt(scheme, dist.TCPStore(host, int(port), is_master=False,
+                                               timeout=timeout))
 
 
 def local_rank() -> int:
