@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import torch
 import pyddp
 from harness import RankContext, Ranks
 from paths import SUPPORT
+from pyddp.rendezvous import client_store
 
 SCRIPT = os.path.join(SUPPORT, "launched_script.py")
 LAUNCH_TIMEOUT = 180
@@ -71,6 +73,28 @@ def test_init_methods_that_need_rank_and_world_size():
         pyddp.new_group("shm", init_method="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="is not env://, tcp://host:port or file:///path"):
         pyddp.new_group("shm", init_method="redis://x")
+
+
+def test_a_joining_process_reaches_the_jobs_store(tmp_path, monkeypatch):
+    """pyddp.join's store: the job's FileStore, a client of its TCPStore (tcp:// and env://),
+    and under torchrun (env://) the part of it that rendezvous() gives this attempt."""
+    timeout = datetime.timedelta(seconds=10)
+    path = str(tmp_path / "job")
+    torch.distributed.FileStore(path, 2).set("k", b"file")
+    assert client_store("file://" + path, timeout).get("k") == b"file"
+    port = _free_port()
+    served = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout,
+                                        wait_for_workers=False)
+    served.set("k", b"tcp")
+    assert client_store(f"tcp://127.0.0.1:{port}", timeout).get("k") == b"tcp"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    torch.distributed.PrefixStore("pyddp/attempt2", served).set("k", b"attempt 2")
+    assert client_store("env://", timeout).get("k") == b"attempt 2"
+    with pytest.raises(ValueError, match="names no store address"):
+        monkeypatch.delenv("MASTER_ADDR")
+        client_store("env://", timeout)
 
 
 def test_local_rank_sources(monkeypatch):
