@@ -99,14 +99,24 @@ def _deadline(group: "ProcessGroup", timeout: Optional[datetime.timedelta]) -> f
     return time.monotonic() + (timeout or group.timeout).total_seconds()
 
 
-def _store_call(group: "ProcessGroup", what: str, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:
-        raise dist.DistStoreError(
-            f"pyddp: rank {group.rank()}: {what}: the group's store failed (it must outlive "
-            f"every rank: torchrun's agent store, a TCPStore served by a process that is not a "
-            f"rank, or a FileStore): {e}") from e
+class _Store:
+    """The group's store, whose failures say that it must outlive every rank."""
+
+    def __init__(self, group: "ProcessGroup", what: str) -> None:
+        self._store, self._rank, self._what = group._store, group.rank(), what
+
+    def __getattr__(self, name: str):
+        call = getattr(self._store, name)
+
+        def guarded(*args):
+            try:
+                return call(*args)
+            except Exception as e:
+                raise dist.DistStoreError(
+                    f"pyddp: rank {self._rank}: {self._what}: the group's store failed (it "
+                    "must outlive every rank: torchrun's agent store, a TCPStore served by a "
+                    f"process that is not a rank, or a FileStore): {e}") from e
+        return guarded
 
 
 def agree(group: "ProcessGroup", flag: bool = True,
@@ -135,9 +145,9 @@ def _agree(group: "ProcessGroup", vote: int, combine,
     """The agreement of ``combine`` over the votes counted: (its value, the ranks counted
     dead, the round's key prefix)."""
     base = _next_round(group)
-    store, me, size = group._store, group.rank(), group.size()
+    store, me, size = _Store(group, "agree"), group.rank(), group.size()
     deadline = _deadline(group, timeout)
-    _store_call(group, "agree", store.set, f"{base}/vote/{me}", str(vote).encode())
+    store.set(f"{base}/vote/{me}", str(vote).encode())
     votes: Dict[int, int] = {me: vote}
     dead: List[int] = []
     pending = [r for r in range(size) if r != me]
@@ -145,9 +155,9 @@ def _agree(group: "ProcessGroup", vote: int, combine,
     here = (_C.host_id(), _C.pid_namespace())
     while pending:
         for r in list(pending):
-            if _store_call(group, "agree", store.check, [f"{base}/vote/{r}"]):
+            if store.check([f"{base}/vote/{r}"]):
                 votes[r] = int(store.get(f"{base}/vote/{r}"))
-            elif _seen_dead(group, base, r, places, here):
+            elif _seen_dead(group, store, base, r, places, here):
                 dead.append(r)
             else:
                 continue
@@ -160,8 +170,7 @@ def _agree(group: "ProcessGroup", vote: int, combine,
         if pending:
             time.sleep(POLL_S)
     proposal = f"{combine(votes.values())};{','.join(map(str, sorted(dead)))}"
-    decision = _store_call(group, "agree", store.compare_set, f"{base}/decision", "",
-                           proposal).decode()
+    decision = store.compare_set(f"{base}/decision", "", proposal).decode()
     value, _, dead_text = decision.partition(";")
     counted_dead = tuple(int(r) for r in dead_text.split(",") if r)
     if me in counted_dead:
@@ -172,11 +181,10 @@ def _agree(group: "ProcessGroup", vote: int, combine,
     return int(value), counted_dead, base
 
 
-def _seen_dead(group: "ProcessGroup", base: str, rank: int,
+def _seen_dead(group: "ProcessGroup", store: _Store, base: str, rank: int,
                places: Dict[int, Tuple[str, str, int]], here: Tuple[str, str]) -> bool:
     """Whether ``rank`` is dead: its pid gone (looked at when it runs on this host, and
     then recorded for the others), or recorded so by a rank that could look."""
-    store = group._store
     if store.check([f"{base}/dead/{rank}"]):
         return True
     if rank not in places:
@@ -227,7 +235,7 @@ def shrink(group: "ProcessGroup") -> "ProcessGroup":
 def pending_joins(group: "ProcessGroup") -> int:
     """How many processes wait in pyddp.join() to enter ``group``'s lineage, as this rank
     reads the store now (ranks may read different counts: admit() takes rank 0's)."""
-    issued = group._store.add(f"{group._lineage}/join/next", 0)
+    issued = _Store(group, "pending_joins").add(f"{group._lineage}/join/next", 0)
     return issued - group._admitted
 
 
@@ -251,9 +259,10 @@ def admit(group: "ProcessGroup", pending: Optional[int] = None) -> "ProcessGroup
     prefix = f"{base}/group"
     admitted = group._admitted + pending
     if group.rank() == 0:
+        store = _Store(group, "admit")
         for i in range(pending):
             record = f"{prefix}\n{group.size() + i}\n{size}\n{admitted}"
-            group._store.set(f"{group._lineage}/join/{group._admitted + 1 + i}", record.encode())
+            store.set(f"{group._lineage}/join/{group._admitted + 1 + i}", record.encode())
     new = ProcessGroup(group._kind, group._store, prefix, group.rank(), size, group.timeout,
                        group._options)
     new._lineage, new._admitted = group._lineage, admitted
