@@ -31,6 +31,15 @@ BOUND_S = 10.0
 BOUND_S_DELTA = datetime.timedelta(seconds=BOUND_S)
 
 
+def _all_left(ctx: RankContext, name: str) -> None:
+    """Returns once every rank has called it: every rank has left the collectives it
+    made before (an abort fails a peer still inside the collective the aborting rank
+    entered last, even one this rank has done its part of)."""
+    store = dist.FileStore(ctx.store_path(f"left-{name}"), ctx.world_size)
+    store.set(str(ctx.rank), b"")
+    store.wait([str(r) for r in range(ctx.world_size)], BOUND_S_DELTA)
+
+
 def _abort_from_another_thread(ctx: RankContext) -> tuple:
     pg = named_group(ctx, f"abort-thread-{ctx.world_size}", timeout=TIMEOUT)
     order = dist.FileStore(ctx.store_path("abort-thread-order"), ctx.world_size)
@@ -103,8 +112,8 @@ def _abort_leaves_nothing(ctx: RankContext) -> tuple:
     pg = named_group(ctx, "abort-leaks", timeout=TIMEOUT)
     t = torch.full((1000,), float(ctx.rank + 1))
     pg.all_reduce(t)
-    pg.barrier()
     during = read_resources()
+    _all_left(ctx, "leaks")
     pg.abort()
     pg.abort()  # idempotent
     pg.shutdown()  # does nothing more
@@ -128,6 +137,7 @@ def _torch_abort(ctx: RankContext) -> tuple:
     try:
         t = torch.ones(10)
         dist.all_reduce(t)
+        _all_left(ctx, "torch-abort")
         if ctx.rank == 1:
             time.sleep(1.0)
             start = time.monotonic()
@@ -175,8 +185,9 @@ def _abort_while_a_peer_waits(ctx: RankContext, backend: str) -> tuple:
     pg = pyddp.create_group(backend, store=dist.FileStore(ctx.store_path(f"wait-{backend}"), 2),
                             rank=ctx.rank, world_size=2, timeout=TIMEOUT)
     pg.barrier()
+    _all_left(ctx, f"wait-{backend}")
     if ctx.rank == 0:
-        time.sleep(0.5)  # rank 1 waits in its all_reduce meanwhile
+        time.sleep(0.5)  # rank 1 waits in its all_reduce meanwhile (or comes after)
         pg.abort()
         return raises(dist.DistBackendError, "aborted", pg.all_reduce, torch.ones(10)), 0.0
     start = time.monotonic()
