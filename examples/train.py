@@ -6,6 +6,8 @@
     python examples/train.py --device cuda            # the same on GPUs
     torchrun --nproc-per-node 2 --max-restarts 2 examples/train.py --checkpoint DIR
                                                       # survives a rank's death
+    python examples/train.py --nproc 3 --survive --kill-rank 2 --kill-at 100
+                                                      # ... without a restart
 
 The data set is scikit-learn's 8x8 digits (1797 images, shipped with
 scikit-learn, no download). Every rank takes its share of each global batch,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import signal
 import sys
@@ -86,11 +89,12 @@ def load_digits(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.device,
-          local_world_size: int) -> float:
+          local_world_size: int, join: Optional[str] = None) -> float:
     """Trains on this rank, on ``device``; returns the final test accuracy (the same on every
     rank). ``local_world_size``: the ranks on this rank's host. With ``--survive`` the group
-    may shrink and grow while it trains (``rank`` and ``world_size`` are the start's), and a
-    process that joins calls it with ``rank`` -1."""
+    may shrink and grow while it trains (``rank`` and ``world_size`` are the start's); the
+    standby replacement passes the job's init method as ``join``, with ``rank`` -1: with
+    its data and model ready it waits to be called (_called_to_replace), then joins."""
     import pyddp
     from pyddp.ddp import DistributedDataParallel
 
@@ -102,7 +106,11 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     model: nn.Module = DigitsCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ddp: Optional[DistributedDataParallel] = None
-    if world_size > 1 or rank < 0:
+    if join is not None:
+        if not _called_to_replace(join):
+            return 0.0
+        pyddp.join(join, backend=devices.GROUP_BACKEND[args.device])
+    if world_size > 1 or join is not None:
         ddp = DistributedDataParallel(model, on_rank_failure="shrink" if args.survive else
                                       "raise", optimizer=optimizer)
         model = ddp
@@ -290,51 +298,67 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.N
     train(rank, world_size, args, device, world_size)
 
 
-def _joining_rank(_: int, init_method: str, args: argparse.Namespace) -> None:
-    import pyddp
+# The key on the job's store by which this script calls the standby replacement: "join"
+# when a rank has died, "exit" when the job ended without losing one.
+STANDBY_KEY = "train.py/standby"
 
-    pyddp.join(init_method, backend=devices.GROUP_BACKEND[args.device])
-    print("a replacement rank asked to join; it joins at the next step", flush=True)
-    train(-1, 0, args, _rank_device(args.device, 0, 1), 1)
+
+def _called_to_replace(init_method: str) -> bool:
+    """Waits until this script calls the standby replacement; whether it is to join."""
+    from pyddp.rendezvous import client_store
+
+    store = client_store(init_method, datetime.timedelta(seconds=TIMEOUT_S))
+    store.wait([STANDBY_KEY])
+    return store.get(STANDBY_KEY) == b"join"
+
+
+def _standby_rank(_: int, init_method: str, args: argparse.Namespace) -> None:
+    train(-1, 0, args, _rank_device(args.device, 0, 1), 1, join=init_method)
 
 
 def _start_ranks(world_size: int, args: argparse.Namespace) -> int:
     """Starts ``world_size`` ranks that meet through a file:// store; their worst exit code.
-    With --survive, the first rank that dies is replaced by a new process that joins the
-    others, and the dead rank's exit code does not count."""
+    With --survive, a standby process starts beside them, loads what they load and waits:
+    it joins them in place of the first rank that dies (as a spare would), and exits when
+    none does; the dead rank's exit code does not count."""
     with Rendezvous(prefix="pyddp-train-") as rendezvous, contextlib.ExitStack() as jobs:
         init_method = rendezvous.init_method()
         job = jobs.enter_context(spawn(_spawned_rank, world_size,
                                        (world_size, init_method, args)))
-        replacement: Optional[Job] = None
+        standby: Optional[Job] = None
+        store = None
+        if args.survive:
+            standby = jobs.enter_context(spawn(_standby_rank, 1, (init_method, args)))
+            store = torch.distributed.FileStore(rendezvous.store_path())
         lost: set = set()
+        called = False  # whether the standby process was told to join or to exit
+        deadline = time.monotonic() + TIMEOUT_S
         try:
-            deadline = time.monotonic() + TIMEOUT_S
-            while not (job.poll(lost) and (replacement is None or replacement.poll())):
+            while True:
+                try:
+                    finished = job.poll(lost)
+                except RankFailed as error:
+                    if store is None or error.rank is None or called:
+                        raise
+                    lost.add(error.rank)
+                    print(f"train.py: {error}; the standby process joins in its place",
+                          flush=True)
+                    store.set(STANDBY_KEY, b"join")
+                    called = True
+                    continue
+                if finished and store is not None and not called:
+                    store.set(STANDBY_KEY, b"exit")  # the job ended whole
+                    called = True
+                if finished and (standby is None or standby.poll()):
+                    break
                 if time.monotonic() > deadline:
                     raise LaunchError(f"the ranks still run after {TIMEOUT_S} s")
                 time.sleep(0.05)
-        except RankFailed as error:
-            if not args.survive or error.rank is None or replacement is not None:
-                print(f"train.py: {error}", file=sys.stderr, flush=True)
-                return error.exitcode or 1
-            lost.add(error.rank)
-            print(f"train.py: {error}; starting a replacement", flush=True)
-            replacement = jobs.enter_context(spawn(_joining_rank, 1, (init_method, args)))
-            deadline = time.monotonic() + TIMEOUT_S
-            try:
-                while not (job.poll(lost) and replacement.poll()):
-                    if time.monotonic() > deadline:
-                        raise LaunchError(f"the ranks still run after {TIMEOUT_S} s")
-                    time.sleep(0.05)
-            except LaunchError as failure:
-                print(f"train.py: {failure}", file=sys.stderr, flush=True)
-                return 1
         except LaunchError as error:
             print(f"train.py: {error}", file=sys.stderr, flush=True)
             return 1
         codes = [code for rank, code in enumerate(job.exitcodes()) if rank not in lost]
-        codes += replacement.exitcodes() if replacement is not None else []
+        codes += standby.exitcodes() if standby is not None else []
     return max((code or 0 for code in codes), key=abs)
 
 
@@ -353,8 +377,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--survive", action="store_true",
                         help="keep training when a rank dies: the others go on without it "
                              "(pyddp.DistributedDataParallel(on_rank_failure='shrink')) and "
-                             "a replacement this script starts joins them (not under torchrun, "
-                             "which ends every rank when one fails)")
+                             "a standby process this script starts joins them in its place "
+                             "(not under torchrun, which ends every rank when one fails)")
     parser.add_argument("--kill-rank", type=int, default=None, metavar="R",
                         help="with --survive, for a demonstration: rank R kills itself "
                              "(SIGKILL) at step --kill-at")

@@ -1,7 +1,7 @@
 """examples/train.py --survive: one of 3 ranks is killed mid-epoch, the other two go on
-at once, a replacement that the script starts joins them, and training ends at the
-accuracy of an uninterrupted 3-rank run (the step that failed is done again on the
-survivors, each global batch split over the ranks there are)."""
+at once, the standby process that the script started joins them in its place, and
+training ends at the accuracy of an uninterrupted 3-rank run (the step that failed is
+done again on the survivors, each global batch split over the ranks there are)."""
 
 from __future__ import annotations
 
