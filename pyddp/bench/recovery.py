@@ -13,9 +13,9 @@ clock (one host: one clock):
 - recovery: until its next applied step ended (the failed step's agreement, the shrink,
   and one step on the new group);
 
-and its steps per second over ``--steps`` steps on the shrunk group, beside a job
-started with the survivors' count in the same run (the throughput a shrunk job should
-keep). The store is a TCPStore hosted by this process, which outlives every rank as
+and its steps per second over ``--steps`` steps on the shrunk group (after as many
+untimed ones), beside a job started with the survivors' count in the same run, timed
+after as many steps (the throughput a shrunk job should keep). The store is a TCPStore hosted by this process, which outlives every rank as
 torchrun's agent store does.
 """
 
@@ -102,6 +102,10 @@ def _rank(rank: int, world_size: int, port: int, name: str, steps: int,
             applied = step()
         killed = float(store.get("killed_at"))
         out.update(detection=detected - killed, recovery=time.time() - killed)
+        # As many steps on the new group as the job it is compared with took before its
+        # timed ones (first touches of its memory, the choosers' first samples).
+        for _ in range(steps):
+            step()
     start = time.perf_counter()
     for _ in range(steps):
         step()
