@@ -41,6 +41,7 @@ import weakref
 from typing import Any, Callable, List, Optional, Sequence, Set, Union
 
 import torch
+import torch.distributed as dist
 
 from . import registered
 from .ddp_groups import DDPGroup
@@ -175,6 +176,7 @@ class Reducer:
         # DistributedDataParallel(on_rank_failure="shrink"): a failed collective is kept
         # here (the first one of the backward) instead of raised out of backward(); the
         # backward's remaining buckets are not launched, and take_failure() hands it over.
+        # Any other error is raised as without it.
         self.tolerate_failures = False
         self._failure: Optional[BaseException] = None
         self._reset_backward()
@@ -260,7 +262,10 @@ class Reducer:
         self._reset_backward()
 
     def note_failure(self, error: BaseException) -> None:
-        """Keeps ``error`` (the first of a step) for take_failure()."""
+        """Keeps ``error`` (the first of a step) for take_failure() when a collective
+        failed; raises it when it is a mistake of the program."""
+        if not communication_failed(error):
+            raise error
         if self._failure is None:
             self._failure = error
 
@@ -502,6 +507,16 @@ class Reducer:
                 param.grad = view.clone()
             else:
                 param.grad.copy_(view)
+
+
+def communication_failed(error: Optional[BaseException]) -> bool:
+    """Whether ``error`` is, or was raised from, a failed collective (torch's DistError: a
+    peer lost, a group aborted, the store gone), rather than a mistake of the program."""
+    while error is not None:
+        if isinstance(error, dist.DistError):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _is_dense(t: torch.Tensor) -> bool:

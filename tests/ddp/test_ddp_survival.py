@@ -166,3 +166,22 @@ def test_a_replacement_joins_and_trains_in_step():
                 assert torch.equal(ranks[0]["params"][name], other["params"][name]), name
     finally:
         pool.close()
+
+
+def _a_mistake_is_raised(ctx: RankContext) -> str:
+    store = dist.FileStore(ctx.store_path("ddp-mistake"), ctx.world_size)
+    group = pyddp.new_group("shm", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=TIMEOUT)
+    model = make_model(Case(model={"extra": True}), ctx.rank)  # `unused` gets no gradient
+    ddp = pyddp.DistributedDataParallel(model, process_group=group, on_rank_failure="shrink")
+    x, y = batch(CASE, 0, 0, ctx.rank)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    raise AssertionError("the backward did not raise")
+
+
+def test_a_mistake_of_the_program_is_raised_not_taken_for_a_lost_rank(two):
+    for message in two.run(_a_mistake_is_raised):
+        assert "received no gradient in this backward" in message, message
