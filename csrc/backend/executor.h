@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/FunctionRef.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -19,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "common/deadline.h"
@@ -92,5 +94,18 @@ class Executor {
  protected:
   std::atomic<uint64_t> issued_{0};
 };
+
+class CpuExecutor;
+class DeviceExecutor;
+
+// An engine's executor for `device`: the CPU worker, or a CUDA device's
+// internal stream (CUDA builds only; none otherwise). `cpu` or `device`
+// points at it, the other is null.
+struct EngineExecutor {
+  std::unique_ptr<Executor> owner;
+  CpuExecutor* cpu = nullptr;
+  DeviceExecutor* device = nullptr;
+};
+EngineExecutor makeExecutor(int rank, c10::Device device, std::chrono::milliseconds timeout);
 
 } // namespace pyddp

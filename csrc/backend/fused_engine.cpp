@@ -69,17 +69,10 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
   FusedMemory& mem = *memory_;
-  if (device.is_cpu()) {
-    auto cpu = std::make_unique<CpuExecutor>(rank, options_.timeoutMs);
-    cpuExec_ = cpu.get();
-    executor_ = std::move(cpu);
-  } else {
-#ifdef PYDDP_WITH_CUDA
-    auto dev = std::make_unique<DeviceExecutor>(rank, device, Ms(options_.timeoutMs));
-    deviceExec_ = dev.get();
-    executor_ = std::move(dev);
-#endif
-  }
+  EngineExecutor made = makeExecutor(rank, device, Ms(options_.timeoutMs));
+  executor_ = std::move(made.owner);
+  cpuExec_ = made.cpu;
+  deviceExec_ = made.device;
   PYDDP_CHECK(executor_ != nullptr, "rank ", rank, ": the fused engine serves ", device,
               " tensors only in a CUDA build");
   bootstrap::connect(mem, *store, rank, size, Ms(options_.timeoutMs));

@@ -76,19 +76,14 @@ TransportEngine::TransportEngine(const c10::intrusive_ptr<c10d::Store>& store, i
                     " is not in [0, world_size=", size, ")");
   PYDDP_CHECK_VALUE(device.is_cpu() || (device.is_cuda() && device.has_index()), "rank ", rank,
                     ": TransportEngine serves the CPU or one CUDA device (cuda:N), not ", device);
+  EngineExecutor made = makeExecutor(rank, device, Ms(options_.timeoutMs));
+  executor_ = std::move(made.owner);
+  cpuExec_ = made.cpu;
+  deviceExec_ = made.device;
   void* stream = nullptr;
-  if (device.is_cpu()) {
-    auto cpu = std::make_unique<CpuExecutor>(rank, options_.timeoutMs);
-    cpuExec_ = cpu.get();
-    executor_ = std::move(cpu);
-  } else {
 #ifdef PYDDP_WITH_CUDA
-    auto dev = std::make_unique<DeviceExecutor>(rank, device, Ms(options_.timeoutMs));
-    deviceExec_ = dev.get();
-    stream = dev->stream();
-    executor_ = std::move(dev);
+  if (deviceExec_) stream = deviceExec_->stream();
 #endif
-  }
   const int deviceIndex = device.is_cpu() ? -1 : device.index();
   transport_ = makeTransport(transport, TransportArgs{rank, size, options_, deviceIndex, stream});
   bootstrap::connect(*transport_, *store, rank, size, Ms(options_.timeoutMs));
