@@ -8,17 +8,12 @@ PYDDP_HOSTID (the engine across hosts, over gloo).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import textwrap
 
 import pytest
 
 from harness import pyddp_segments
-from paths import REPO, SUPPORT
+from script_ranks import script_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,24 +72,13 @@ EXIT_SCRIPT = textwrap.dedent("""
 RUNS = 4  # the abort it guards against struck in about half the exits
 
 
-def _env(host: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, SUPPORT]))
-    if host:
-        env["PYDDP_HOSTID"] = host
-    return env
-
-
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
 def test_exit_with_threads_inside_calls_is_clean(hosts):
     before = set(pyddp_segments())
     for run in range(RUNS):
-        path = tempfile.mktemp(prefix="pyddp-exit-")
-        procs = [subprocess.Popen(
-            [sys.executable, "-c", EXIT_SCRIPT, str(r), path], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=_env(f"host{r}" if hosts == 2 else ""),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) for r in range(2)]
-        try:
+        # Two hosts: PYDDP_HOSTID gives each rank a host of its own.
+        host = (lambda r: {"PYDDP_HOSTID": f"host{r}"}) if hosts == 2 else None
+        with script_ranks(EXIT_SCRIPT, 2, env=host) as procs:
             out0, err0 = procs[0].communicate(timeout=120)
             assert procs[0].returncode == 7, (run, procs[0].returncode, err0)
             assert "exiting" in out0, (run, out0, err0)
@@ -108,11 +92,4 @@ def test_exit_with_threads_inside_calls_is_clean(hosts):
                                                            "torch"))
             assert f"told {told}\n" in out1, (run, out1, err1)
             assert ("hierarchical" in out0 or "gloo" in out0) == (hosts == 2), out0
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-            if os.path.exists(path):
-                os.remove(path)
         assert set(pyddp_segments()) <= before, (run, set(pyddp_segments()) - before)

@@ -8,17 +8,12 @@ ranks.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import textwrap
 
 import pytest
 
 from harness import pyddp_segments
-from paths import REPO, SUPPORT
+from script_ranks import script_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +26,7 @@ FORK_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     import pyddp
 
-    rank, world, path, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, path, world, kind = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     timeout = datetime.timedelta(seconds=60)
     store = dist.FileStore(path, world)
     groups = {}
@@ -96,28 +91,12 @@ FORK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, SUPPORT]))
-
-
 @pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"world{n}")
 @pytest.mark.parametrize("kind", ["pyddp", "torch"])
 def test_a_forked_child_never_touches_its_parents_groups(kind, world):
     before = set(pyddp_segments())
-    path = tempfile.mktemp(prefix="pyddp-fork-")
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", FORK_SCRIPT, str(r), str(world), path, kind],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) for r in range(world)]
-    try:
+    with script_ranks(FORK_SCRIPT, world, str(world), kind) as procs:
         results = [p.communicate(timeout=240) + (p.returncode,) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        if os.path.exists(path):
-            os.remove(path)
     for rank, (out, err, code) in enumerate(results):
         assert code == 0, (rank, code, out, err)
         for name in ("exit", "drop", "destroy", "multiprocessing", "use"):

@@ -10,27 +10,29 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Callable, Dict, Optional
 
 from paths import REPO, SUPPORT
 
 
-def _script_env() -> dict:
+def _script_env(extra: Optional[Dict[str, str]]) -> dict:
     """Scripts import pyddp from this tree and the helpers (fault_stores) from tests/support."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [REPO, SUPPORT] + [p for p in sys.path if p]))
+        [REPO, SUPPORT] + [p for p in sys.path if p]), **(extra or {}))
 
 
 @contextlib.contextmanager
-def script_ranks(script: str, world: int, *args: str):
+def script_ranks(script: str, world: int, *args: str,
+                 env: Optional[Callable[[int], Optional[Dict[str, str]]]] = None):
     """``world`` interpreters running ``script`` with the arguments rank, a store
-    path and ``args`` (stdin a pipe); every one killed and the store removed on the way
-    out."""
+    path and ``args`` (stdin a pipe), rank r with ``env(r)`` in its environment too;
+    every one killed and the store removed on the way out."""
     path = tempfile.mktemp(prefix="pyddp-faults-")
     # SIGINT as a foreground job has it (see harness._rank_main).
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), path, *args],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
-                              env=_script_env(),
+                              env=_script_env(env(r) if env is not None else None),
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
              for r in range(world)]
     try:
