@@ -77,9 +77,10 @@ FORK_SCRIPT = textwrap.dedent("""
                 if done:
                     code = os.waitstatus_to_exitcode(status)
                 elif time.monotonic() > deadline:
+                    from stacks import stacks_of
+                    code = "hung; " + stacks_of(pid)
                     os.kill(pid, 9)
                     os.waitpid(pid, 0)
-                    code = "hung"
                 else:
                     time.sleep(0.02)
             assert code == 0, f"the child of {name} exited with {code}"

@@ -1,0 +1,41 @@
+"""What a process that hangs is doing, for a test's failure message: each thread's
+name, state and kernel wait channel, and, where gdb is installed, each thread's
+frames. Called before the test kills the process, so that a hang seen once (on a
+loaded machine, say) says where it waited."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as error:
+        return f"({error.strerror})"
+
+
+def stacks_of(pid: int, timeout: float = 30.0) -> str:
+    """A report of ``pid``'s threads; gdb, when present, is given ``timeout`` seconds."""
+    lines = [f"process {pid}:"]
+    tasks = f"/proc/{pid}/task"
+    for tid in sorted(os.listdir(tasks) if os.path.isdir(tasks) else [], key=int):
+        state = next((line for line in _read(f"{tasks}/{tid}/status").splitlines()
+                      if line.startswith("State:")), "State: ?")
+        lines.append(f"  thread {tid} {_read(f'{tasks}/{tid}/comm')!r} {state} "
+                     f"waiting in {_read(f'{tasks}/{tid}/wchan') or '-'}")
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        lines.append("(no frames: gdb is not installed)")
+        return "\n".join(lines)
+    try:
+        frames = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
+                                capture_output=True, text=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        frames = f"(gdb gave no frames within {timeout} s)"
+    lines += [line for line in frames.splitlines()
+              if line.startswith(("Thread ", "#")) or line.startswith("(gdb")]
+    return "\n".join(lines)
