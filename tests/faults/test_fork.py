@@ -99,7 +99,8 @@ def test_a_forked_child_never_touches_its_parents_groups(kind, world):
     with script_ranks(FORK_SCRIPT, world, str(world), kind) as procs:
         results = [p.communicate(timeout=240) + (p.returncode,) for p in procs]
     for rank, (out, err, code) in enumerate(results):
-        assert code == 0, (rank, code, out, err)
+        # A string, which pytest shows whole: a hung child's report is long.
+        assert code == 0, f"rank {rank} exited with {code}\nstdout:\n{out}\nstderr:\n{err}"
         for name in ("exit", "drop", "destroy", "multiprocessing", "use"):
             assert f"after {name} ok" in out, (rank, name, out, err)
         for bad in ("terminate called", "Fatal Python error", "wrong message"):
