@@ -75,9 +75,9 @@ RUNS = 4  # the abort it guards against struck in about half the exits
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
 def test_exit_with_threads_inside_calls_is_clean(hosts):
     before = set(pyddp_segments())
+    # Two hosts: PYDDP_HOSTID gives each rank a host of its own.
+    host = (lambda r: {"PYDDP_HOSTID": f"host{r}"}) if hosts == 2 else None
     for run in range(RUNS):
-        # Two hosts: PYDDP_HOSTID gives each rank a host of its own.
-        host = (lambda r: {"PYDDP_HOSTID": f"host{r}"}) if hosts == 2 else None
         with script_ranks(EXIT_SCRIPT, 2, env=host) as procs:
             out0, err0 = procs[0].communicate(timeout=120)
             assert procs[0].returncode == 7, (run, procs[0].returncode, err0)

@@ -52,8 +52,7 @@ def stacks_of(pid: int, timeout: float = 30.0) -> str:
     try:
         frames = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
                                 capture_output=True, text=True, timeout=timeout).stdout
+        lines += [line for line in frames.splitlines() if line.startswith(("Thread ", "#"))]
     except subprocess.TimeoutExpired:
-        frames = f"(gdb gave no frames within {timeout} s)"
-    lines += [line for line in frames.splitlines()
-              if line.startswith(("Thread ", "#")) or line.startswith("(gdb")]
+        lines.append(f"(gdb gave no frames within {timeout} s)")
     return "\n".join(lines)
