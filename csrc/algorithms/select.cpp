@@ -23,6 +23,26 @@ Algo gatherAlgo(size_t bytes, const Capabilities& caps, const GroupOptions& o) {
   return o.directMaxBytes > 0 && bytes <= o.directMaxBytes ? Algo::Direct : Algo::Ring;
 }
 
+// The fused all-reduce's program for `bytes` per rank: Direct (one-shot)
+// as set or up to kFusedOneShotMaxBytes, else TwoShot (the fused engine has
+// no ring: Ring set takes two-shot, which moves as little per rank).
+Algo fusedAllReduceAlgo(size_t bytes, const GroupOptions& o) {
+  if (o.algo == Algo::Direct) return Algo::Direct;
+  if (o.algo == Algo::Auto && bytes <= kFusedOneShotMaxBytes) return Algo::Direct;
+  return Algo::TwoShot;
+}
+
+// A fused engine's plan: the all-reduce's program (also the reduce's, an
+// all-reduce only the root keeps); the other collectives have one program
+// and keep the descriptor's algo. Nothing is read in place, no messages.
+Plan fusedPlan(Plan p, const GroupOptions& options) {
+  if (p.kind == CollectiveKind::AllReduce || p.kind == CollectiveKind::Reduce) {
+    p.algo = fusedAllReduceAlgo(p.bytes, options);
+  }
+  p.staged = p.algo;
+  return p;
+}
+
 } // namespace
 
 bool readsRegistered(CollectiveKind kind, size_t bytes) {
@@ -41,6 +61,7 @@ Plan select(const CollectiveDesc& desc, const Capabilities& caps, const GroupOpt
   p.kind = desc.kind;
   p.bytes = desc.count * elementSize(desc.dtype);
   p.algo = desc.algo;
+  if (caps.fused) return fusedPlan(p, options);
   switch (desc.kind) {
     case CollectiveKind::AllReduce:
       p.algo = allReduceAlgo(p.bytes, caps, options);

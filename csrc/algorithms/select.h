@@ -1,8 +1,8 @@
-// Which algorithm a collective of TransportEngine takes, and how it copies its
-// peers' data: the whole policy as pure functions of the call, what the
+// Which algorithm a collective of TransportEngine or FusedEngine takes, and
+// how it copies its peers' data: the whole policy as pure functions of the call, what the
 // transport offers and the group's options, so that it can be read and
-// tested as a table (tests/unit/test_select.py). The engine runs the plan
-// (backend/transport_engine.cpp).
+// tested as a table (tests/unit/test_select.py). The engines run the plan
+// (backend/transport_engine.cpp, backend/fused_engine.cpp).
 //
 // Two moments decide. When the call is made, select() fixes the algorithm:
 // it goes on the descriptor, which every rank compares at the arrival, so
@@ -40,6 +40,10 @@ struct Capabilities {
   // Every rank reads every peer's plain tensors through the kernel
   // (TransportEngine::processRefusal() is empty).
   bool readsThroughKernel = false;
+  // Every collective is one launch of a channel program (FusedEngine,
+  // device/programs.h): the all-reduce one-shot (Direct) or two-shot
+  // (TwoShot), every other collective its one program.
+  bool fused = false;
 };
 
 // How one collective runs on this rank.
@@ -106,6 +110,13 @@ constexpr size_t kRegisteredMinBytes = 64 * 1024;
 constexpr size_t kRegisteredAllReduceMinBytes = 512 * 1024;
 constexpr size_t kRegisteredMaxBytes = 8 * 1024 * 1024;
 constexpr size_t kRegisteredReduceScatterMinBytes = 4 * 1024;
+
+// Fused all-reduces of at most this many bytes per rank take the one-shot
+// program (every rank reduces the whole tensor: one barrier per round),
+// larger ones two-shot (each reduces its block: two barriers, a 1/n share
+// of the reduction). An initial value from vLLM's and TensorRT-LLM's
+// choices for a few GPUs, not yet measured on pyddp's kernels.
+constexpr size_t kFusedOneShotMaxBytes = 256 * 1024;
 
 // The collectives that have an algorithm reading peers' tensors in place,
 // mapped or through the kernel.

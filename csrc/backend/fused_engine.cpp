@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "algorithms/collectives.h"
+#include "algorithms/select.h"
 #include "backend/bootstrap.h"
 #include "backend/cpu_executor.h"
 #include "backend/monitored_barrier.h"
@@ -27,13 +28,6 @@ namespace {
 
 using Ms = std::chrono::milliseconds;
 
-// All-reduces of at most this many bytes per rank take the one-shot
-// protocol (every rank reduces the whole tensor: one barrier per round),
-// larger ones two-shot (each reduces its block: two barriers, a 1/n share
-// of the reduction). An initial value from vLLM's and TensorRT-LLM's
-// choices for a few GPUs, not yet measured on pyddp's kernels.
-constexpr size_t kOneShotMaxBytes = 256 * 1024;
-
 // Threads of one channel's team (a thread block) on a GPU: enough 16-byte
 // loads in flight per SM to reach memory bandwidth with a channel per SM.
 // An initial value, not yet measured on pyddp's kernels.
@@ -50,6 +44,12 @@ uint64_t digestOf(const CollectiveDesc& d) {
     }
   }
   return h;
+}
+
+// What select() planned for an all-reduce or reduce: one-shot or two-shot.
+device::Protocol allReduceProtocol(Algo planned) {
+  return planned == Algo::Direct ? device::Protocol::OneShotAllReduce
+                                 : device::Protocol::TwoShotAllReduce;
 }
 
 std::function<void()> finishOf(Results& results) {
@@ -308,16 +308,20 @@ WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protoco
                            call);
 }
 
-device::Protocol FusedEngine::allReduceProtocol(size_t bytes) const {
-  const bool oneShot = options_.algo == Algo::Direct ||
-      (options_.algo == Algo::Auto && bytes <= kOneShotMaxBytes);
-  return oneShot ? device::Protocol::OneShotAllReduce : device::Protocol::TwoShotAllReduce;
+CollectiveDesc FusedEngine::planned(const CollectiveDesc& desc) const {
+  algorithms::Capabilities caps;
+  caps.rank = rank_;
+  caps.worldSize = size_;
+  caps.fused = true;
+  CollectiveDesc d = desc;
+  d.algo = algorithms::select(desc, caps, options_).algo;
+  return d;
 }
 
 WorkPtr FusedEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
                                   Results results, const CallOptions& call) {
-  return launch(desc, allReduceProtocol(desc.count * elementSize(desc.dtype)), buf, buf,
-                desc.count, results, call);
+  const CollectiveDesc d = planned(desc);
+  return launch(d, allReduceProtocol(d.algo), buf, buf, d.count, results, call);
 }
 
 WorkPtr FusedEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& input,
@@ -327,8 +331,9 @@ WorkPtr FusedEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& inp
   // ranks' scratch, which starts as a copy of the input.
   std::function<void()> before;
   if (!output.is_same(input)) before = [input, output] { output.copy_(input); };
-  return launch(desc, allReduceProtocol(desc.count * elementSize(desc.dtype)), output, output,
-                desc.count, results, call, std::move(before), {input});
+  const CollectiveDesc d = planned(desc);
+  return launch(d, allReduceProtocol(d.algo), output, output, d.count, results, call,
+                std::move(before), {input});
 }
 
 WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& input,

@@ -108,7 +108,9 @@ class FusedEngine final : public Engine {
                  const at::Tensor& output, size_t count, Results& results,
                  const CallOptions& call, std::function<void()> before = nullptr,
                  std::vector<at::Tensor> uses = {});
-  device::Protocol allReduceProtocol(size_t bytes) const;
+  // `desc` with the algorithm algorithms::select() plans for it (an
+  // all-reduce's or reduce's program), which every rank compares.
+  CollectiveDesc planned(const CollectiveDesc& desc) const;
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   device::FusedArgs argsFor(const CollectiveDesc& desc, device::Protocol protocol,
                             const void* input, void* output, size_t count,

@@ -332,7 +332,8 @@ void bindTesting(py::module_& m) {
                                          caps["peer_memory"].cast<bool>(),
                                          caps["messages"].cast<bool>(),
                                          caps["reads_registered"].cast<bool>(),
-                                         caps["reads_through_kernel"].cast<bool>()};
+                                         caps["reads_through_kernel"].cast<bool>(),
+                                         caps["fused"].cast<bool>()};
         const FakeKernelChoice chooser({pick.first, pick.second});
         const algorithms::Plan p = algorithms::vote(algorithms::select(d, c, options), chooser);
         py::dict out;

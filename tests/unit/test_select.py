@@ -1,4 +1,5 @@
-"""The plan TransportEngine runs for each collective (csrc/algorithms/select.h), as a table:
+"""The plan TransportEngine (and FusedEngine: its all-reduce's program) runs for each
+collective (csrc/algorithms/select.h), as a table:
 (the call, what the transport offers, the options) -> the algorithm on the descriptor,
 the one that runs where the tensors are not read in place, messages or not, and the copy
 path (registered tensors mapped, plain ones through the kernel, the voter's vote). Every
@@ -29,9 +30,10 @@ REG_MIN, REG_AR_MIN, REG_MAX, REG_RS_MIN = 64 * KiB, 512 * KiB, 8 * MiB, 4 * KiB
 
 
 def caps(rank=0, world_size=2, peer_memory=True, messages=True, registered=False,
-         kernel=False):
+         kernel=False, fused=False):
     return {"rank": rank, "world_size": world_size, "peer_memory": peer_memory,
-            "messages": messages, "reads_registered": registered, "reads_through_kernel": kernel}
+            "messages": messages, "reads_registered": registered, "reads_through_kernel": kernel,
+            "fused": fused}
 
 
 SHM = caps()  # no in-place reads: the staged algorithms alone
@@ -40,6 +42,14 @@ SHM_KERNEL = caps(kernel=True)
 SHM_BOTH = caps(registered=True, kernel=True)
 NCCL = caps(peer_memory=False, messages=False)  # the NCCL ring: neither
 CUDA_IPC = caps(messages=False)  # mapped staging buffers, no messages
+# the fused engine (cuda_ipc, emulated): one program per collective, whatever
+# else its memory offers
+FUSED = caps(peer_memory=False, messages=False, fused=True)
+FUSED_ALL = caps(registered=True, kernel=True, fused=True)
+
+# The fused all-reduce's one-shot window (kFusedOneShotMaxBytes in
+# csrc/algorithms/select.h).
+FUSED_ONE_SHOT_MAX = 256 * KiB
 
 
 def options(algo=AUTO, direct=8 * KiB, two_shot=0, cma=CMA_AUTO, cma_min=64 * KiB):
@@ -186,6 +196,33 @@ TABLE = [
     (("scatter", 4, "uint8", 1, NCCL, DEFAULT), Expect("ring")),
     (("all_to_all", 4, "uint8", -1, SHM, DEFAULT), Expect("direct", messages=True)),
     (("barrier", 0, "float32", -1, SHM_BOTH, DEFAULT), Expect("ring")),
+    # fused: the all-reduce (and reduce) one-shot up to the fused window,
+    # two-shot above, whatever the CPU's thresholds and what the memory offers
+    (("all_reduce", 0, "uint8", -1, FUSED, DEFAULT), Expect("direct")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX, "uint8", -1, FUSED, DEFAULT), Expect("direct")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX + 1, "uint8", -1, FUSED, DEFAULT), Expect("two_shot")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX // 4, "float32", -1, FUSED, DEFAULT), Expect("direct")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX // 4 + 1, "float32", -1, FUSED, DEFAULT),
+     Expect("two_shot")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX // 2 + 1, "bfloat16", -1, FUSED, options(direct=0)),
+     Expect("two_shot")),
+    (("all_reduce", MiB, "uint8", -1, FUSED_ALL, options(two_shot=64 * MiB)),
+     Expect("two_shot")),
+    (("reduce", FUSED_ONE_SHOT_MAX, "uint8", 0, FUSED, DEFAULT), Expect("direct")),
+    (("reduce", FUSED_ONE_SHOT_MAX + 1, "uint8", 0, FUSED_ALL, DEFAULT), Expect("two_shot")),
+    # ... forced: direct is one-shot at any size; two-shot, and ring (the
+    # fused engine has none), two-shot at any size
+    (("all_reduce", 64 * MiB, "uint8", -1, FUSED, options(algo=DIRECT)), Expect("direct")),
+    (("all_reduce", 4, "uint8", -1, FUSED, options(algo=TWO_SHOT)), Expect("two_shot")),
+    (("all_reduce", 4, "uint8", -1, FUSED, options(algo=RING)), Expect("two_shot")),
+    # ... the others have one program each: the descriptor's algo, nothing
+    # read in place, no messages, no vote
+    (("all_gather", MiB, "uint8", -1, FUSED_ALL, DEFAULT), Expect("ring")),
+    (("reduce_scatter", MiB, "uint8", -1, FUSED_ALL, DEFAULT), Expect("ring")),
+    (("broadcast", MiB, "uint8", 0, FUSED_ALL, DEFAULT), Expect("ring")),
+    (("gather", 4, "uint8", 0, FUSED_ALL, DEFAULT), Expect("ring")),
+    (("scatter", 4, "uint8", 1, FUSED_ALL, DEFAULT), Expect("ring")),
+    (("all_to_all", 4, "uint8", -1, FUSED_ALL, DEFAULT), Expect("ring")),
 ]
 
 
