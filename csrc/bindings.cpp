@@ -23,6 +23,7 @@
 #include "backend/bootstrap.h"
 #include "backend/cpu_executor.h"
 #include "backend/engine_registry.h"
+#include "backend/fused_engine.h"
 #include "backend/registered_tensors.h"
 #include "backend/transport_engine.h"
 #include "backend/torch_backend.h"
@@ -626,6 +627,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("aborted", &Engine::aborted)
       .def_property_readonly("device", &Engine::device)
       .def_property_readonly("transport", &Engine::transport);
+
+  py::class_<FusedEngine, Engine, c10::intrusive_ptr<FusedEngine>>(
+      m, "FusedEngine", "pyddp's fused collectives: one launch per collective.")
+      .def("register_buffer", [](FusedEngine& e, const at::Tensor& t) {
+        interruptibly([&] {
+          e.registerBuffer(t);
+          return true;
+        });
+      }, py::arg("tensor"),
+           "Registers `tensor` with every rank (a collective): collectives on tensors that lie "
+           "in it at the same offset on every rank read the peers' where they lie.")
+      .def("deregister_buffer", [](FusedEngine& e, const at::Tensor& t) {
+        interruptibly([&] {
+          e.deregisterBuffer(t);
+          return true;
+        });
+      }, py::arg("tensor"),
+           "Ends the registration of `tensor` on every rank (a collective, with a barrier).")
+      .def_property_readonly("registered_launches", &FusedEngine::registeredLaunches,
+                             "Collectives that read registered buffers in place so far.");
 
   py::class_<TransportEngine, Engine, c10::intrusive_ptr<TransportEngine>>(
       m, "TransportEngine", "pyddp's ring and direct algorithms over a transport.")

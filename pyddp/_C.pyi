@@ -129,6 +129,15 @@ class TransportEngine(Engine):
     def process_refusal(self) -> str:
         """Why peers' plain tensors are never read through the kernel; "" if they are."""
 
+class FusedEngine(Engine):
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Registers tensor with every rank (a collective); ProcessGroup.register_buffer."""
+    def deregister_buffer(self, tensor: torch.Tensor) -> None:
+        """Ends tensor's registration on every rank (a collective with a barrier)."""
+    @property
+    def registered_launches(self) -> int:
+        """Collectives that read registered buffers in place so far."""
+
 class NcclEngine(Engine):  # CUDA builds only
     @property
     def timeout_ms(self) -> int: ...

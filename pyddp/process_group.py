@@ -634,6 +634,54 @@ class ProcessGroup:
                             f"this group (backend {self._kind!r}) serves no CPU tensors")
         self._cpu_engine.monitored_barrier(timeout, bool(wait_all_ranks))
 
+    def can_register(self, device: Union[str, torch.device]) -> bool:
+        """Whether this group's collectives on ``device`` tensors read registered buffers in
+        place (register_buffer): its fused collectives (backend "cuda_ipc", or "auto" on one
+        host, for CUDA tensors; "emulated" for CPU ones). Makes the group's engine for
+        ``device`` if it has none yet, as a first collective there would: every rank asks
+        alike."""
+        device = torch.device(device)
+        if device.type not in self._device_types:
+            return False
+        engine = self._engines.get(device.type)
+        if engine is None:
+            engine = self._make_engine(self._cuda_device(device))
+        return isinstance(engine, _C.FusedEngine)
+
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Registers ``tensor`` with every rank of the group, as NCCL's window registration:
+        every rank calls it, in the same order as its collectives, with a contiguous tensor
+        of as many bytes, which the group holds until deregister_buffer() or its end. Each
+        rank maps every peer's, so that an all_reduce, all_gather, reduce_scatter or
+        broadcast whose tensor that peers read lies in it on every rank (anywhere in it:
+        an all_gather's input may be its rank's block of a registered output) reads the
+        peers' bytes where they lie instead of staging them (an all_reduce from
+        kFusedOneShotMaxBytes per rank on: csrc/algorithms/select.h). A rank whose tensor
+        lies in a registered buffer while a peer's does not (or lies in another) fails
+        that collective on every rank, naming the field "registered".
+
+        Served by the fused collectives (can_register): a CUDA tensor of torch's caching
+        allocator (without expandable segments, which have no IPC handle), or for
+        "emulated" a CPU tensor made by pyddp.empty. Raises DistBackendError on every rank,
+        naming the rank, where one cannot register its tensor or map a peer's."""
+        self._fused_engine(tensor, "register_buffer").register_buffer(tensor)
+
+    def deregister_buffer(self, tensor: torch.Tensor) -> None:
+        """Ends the registration of ``tensor`` (the tensor register_buffer took) on every
+        rank: a collective that meets every rank in a barrier, so that no rank reads it any
+        more, then lets the group's hold on it and the peers' mappings go."""
+        self._fused_engine(tensor, "deregister_buffer").deregister_buffer(tensor)
+
+    def _fused_engine(self, tensor: torch.Tensor, call: str) -> "_C.FusedEngine":
+        engine = self._engine(tensor, call, "tensor")
+        if not isinstance(engine, _C.FusedEngine):
+            raise TypeError(
+                f"pyddp: rank {self._rank}: {call}: this group's {tensor.device.type} "
+                f"collectives run over {engine.transport}, which reads no registered buffers; "
+                "the fused collectives do (backend \"cuda_ipc\", or \"auto\" on one host, for "
+                "CUDA tensors; \"emulated\" for CPU ones)")
+        return engine
+
     def shutdown(self) -> None:
         """Stops the group's engines: pending collectives fail, and peers waiting on this
         rank fail at once, saying that it destroyed its group."""

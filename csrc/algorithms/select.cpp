@@ -34,12 +34,20 @@ Algo fusedAllReduceAlgo(size_t bytes, const GroupOptions& o) {
 
 // A fused engine's plan: the all-reduce's program (also the reduce's, an
 // all-reduce only the root keeps); the other collectives have one program
-// and keep the descriptor's algo. Nothing is read in place, no messages.
-Plan fusedPlan(Plan p, const GroupOptions& options) {
+// and keep the descriptor's algo. No messages. A collective that reads in
+// place, on a tensor in a registered buffer (desc.window, alike on every
+// rank), reads the peers' where they lie, but the one-shot all-reduce,
+// which meets its peers once where in place meets them three times.
+Plan fusedPlan(Plan p, const CollectiveDesc& desc, const GroupOptions& options) {
   if (p.kind == CollectiveKind::AllReduce || p.kind == CollectiveKind::Reduce) {
     p.algo = fusedAllReduceAlgo(p.bytes, options);
   }
   p.staged = p.algo;
+  if (desc.window != 0 && readsInPlace(p.kind) &&
+      !(p.kind == CollectiveKind::AllReduce && p.algo == Algo::Direct)) {
+    p.algo = Algo::Registered;
+    p.reads.mapped = true;
+  }
   return p;
 }
 
@@ -61,7 +69,7 @@ Plan select(const CollectiveDesc& desc, const Capabilities& caps, const GroupOpt
   p.kind = desc.kind;
   p.bytes = desc.count * elementSize(desc.dtype);
   p.algo = desc.algo;
-  if (caps.fused) return fusedPlan(p, options);
+  if (caps.fused) return fusedPlan(p, desc, options);
   switch (desc.kind) {
     case CollectiveKind::AllReduce:
       p.algo = allReduceAlgo(p.bytes, caps, options);

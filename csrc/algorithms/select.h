@@ -42,7 +42,9 @@ struct Capabilities {
   bool readsThroughKernel = false;
   // Every collective is one launch of a channel program (FusedEngine,
   // device/programs.h): the all-reduce one-shot (Direct) or two-shot
-  // (TwoShot), every other collective its one program.
+  // (TwoShot), every other collective its one program; Registered, reading
+  // the peers' tensors where they lie, on a registered buffer
+  // (CollectiveDesc::window).
   bool fused = false;
 };
 

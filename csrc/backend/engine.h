@@ -272,14 +272,16 @@ class Engine : public RefusingBackend {
     }
   }
 
+  // The front end's first step on every call: refuses a call from a child
+  // of fork() (the group is the parent's), and a call after abort().
+  void refuseIfUnusable(const char* call) const;
+  c10d::Store& groupStore() const { return *store_; }
+
   const c10::Device device_;
   const std::string transport_;
   const ArgChecks checks_;
 
  private:
-  // The front end's first step on every call: refuses a call from a child
-  // of fork() (the group is the parent's), and a call after abort().
-  void refuseIfUnusable(const char* call) const;
   WorkPtr allReduceSparse(const at::Tensor& tensor, RedOp op, const CallOptions& call);
   // torch.distributed's arguments: the one tensor of a per-process list,
   // and pyddp's operator for a c10d::ReduceOp.

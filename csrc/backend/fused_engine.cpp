@@ -4,7 +4,9 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <string_view>
 #include <thread>
 
 #include "algorithms/collectives.h"
@@ -13,6 +15,7 @@
 #include "backend/cpu_executor.h"
 #include "backend/monitored_barrier.h"
 #include "backend/p2p_executor.h"
+#include "common/blob.h"
 #include "common/check.h"
 #include "common/interrupt.h"
 #include "device/emulated_grid.h"
@@ -46,10 +49,16 @@ uint64_t digestOf(const CollectiveDesc& d) {
   return h;
 }
 
-// What select() planned for an all-reduce or reduce: one-shot or two-shot.
-device::Protocol allReduceProtocol(Algo planned) {
-  return planned == Algo::Direct ? device::Protocol::OneShotAllReduce
-                                 : device::Protocol::TwoShotAllReduce;
+// Whether the bytes of `a` and `b` are apart.
+bool apart(const at::Tensor& a, const at::Tensor& b) {
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa + a.nbytes() <= pb || pb + b.nbytes() <= pa;
+}
+
+// Block `block` of `t`'s bytes split into `blocks` equal ones.
+const char* blockOf(const at::Tensor& t, int block, int blocks) {
+  return static_cast<const char*>(t.data_ptr()) + t.nbytes() / blocks * block;
 }
 
 std::function<void()> finishOf(Results& results) {
@@ -173,6 +182,128 @@ int FusedEngine::channelsFor(size_t bytes) const {
   return static_cast<int>(wanted < 1 ? 1 : (wanted > most ? most : wanted));
 }
 
+namespace {
+
+// Every rank's outcome of one step of a registration ("" where it went
+// well): throws, on every rank alike, the first failure in rank order.
+void agreeOn(const std::vector<std::string>& outcomes, const char* step) {
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    PYDDP_CHECK_COMM(outcomes[r].empty(), "register_buffer failed: rank ", r, " could not ",
+                     step, ": ", outcomes[r]);
+  }
+}
+
+// `f()`'s error message without pyddp's prefix or a C++ backtrace, "" if
+// it returned.
+template <typename F>
+std::string failureOf(F&& f) {
+  std::string why;
+  try {
+    f();
+    return why;
+  } catch (const c10::Error& e) {
+    why = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  constexpr std::string_view kPrefix = "pyddp: ";
+  return why.compare(0, kPrefix.size(), kPrefix) == 0 ? why.substr(kPrefix.size()) : why;
+}
+
+} // namespace
+
+// Registration protocol, under the group's store (bootstrap::allGather,
+// bounded by the group's timeout), registration n alike on every rank:
+//   registered/<n>/region  each rank's byte count and its exportRegion()
+//                          blob, or why it could not export its tensor;
+//   registered/<n>/mapped  "" once it mapped every peer's, else why not.
+// A rank acts on a step only once every rank's outcome of it is in, so all
+// keep the registration or all fail, naming the same rank.
+void FusedEngine::registerBuffer(const at::Tensor& tensor) {
+  refuseIfUnusable("register_buffer");
+  Registration reg;
+  std::string region;
+  // A rank whose tensor is refused says so to its peers, so that every
+  // rank fails alike and counts the registration.
+  const std::string exportFailure = failureOf([&] {
+    PYDDP_CHECK_VALUE(tensor.defined() && tensor.device() == device_ && tensor.is_contiguous() &&
+                          tensor.nbytes() > 0,
+                      "register_buffer takes a contiguous, non-empty tensor on ", device_,
+                      ", got ",
+                      tensor.defined() ? tensor.toString() + " of " +
+                              std::to_string(tensor.nbytes()) + " bytes on " +
+                              tensor.device().str() + (tensor.is_contiguous() ? "" : ", strided")
+                                       : std::string("None"));
+    reg.tensor = tensor;
+    reg.data = static_cast<const char*>(tensor.data_ptr());
+    reg.bytes = tensor.nbytes();
+    const std::lock_guard<std::mutex> lock(registrationsMutex_);
+    for (const Registration& other : registrations_) {
+      PYDDP_CHECK_VALUE(reg.data + reg.bytes <= other.data || other.data + other.bytes <= reg.data,
+                        "the tensor overlaps registered buffer ", other.number,
+                        "; deregister that first");
+    }
+    region = memory_->exportRegion(reg.data, reg.bytes);
+  });
+  {
+    const std::lock_guard<std::mutex> lock(registrationsMutex_);
+    reg.number = ++registrationsMade_;
+  }
+  const Ms timeout(options_.timeoutMs);
+  const std::string key = "registered/" + std::to_string(reg.number);
+  const std::vector<std::string> regions = bootstrap::allGather(
+      groupStore(), key + "/region",
+      BlobWriter().put("bytes", reg.bytes).putBytes("failure", exportFailure)
+          .putBytes("region", region).str(),
+      rank_, size_, timeout);
+  std::vector<BlobReader> blobs;
+  std::vector<std::string> failures;
+  for (int r = 0; r < size_; ++r) {
+    blobs.emplace_back(regions[r], "rank " + std::to_string(r) + "'s registered tensor");
+    failures.push_back(blobs[r].bytes("failure"));
+  }
+  agreeOn(failures, "register its tensor");
+  for (int r = 0; r < size_; ++r) {
+    PYDDP_CHECK_VALUE(blobs[r].get<size_t>("bytes") == reg.bytes, "register_buffer: rank ",
+                      rank_, " registered ", reg.bytes, " bytes, rank ", r, " ",
+                      blobs[r].get<size_t>("bytes"), "; every rank registers as many");
+  }
+  const std::string mapFailure = failureOf([&] {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) {
+        reg.peer[r] = reg.data;
+        continue;
+      }
+      FusedMemory::PeerRegion mapped = memory_->mapRegion(r, blobs[r].bytes("region"), reg.bytes);
+      reg.peer[r] = mapped.data;
+      reg.maps.push_back(std::move(mapped.keep));
+    }
+  });
+  agreeOn(bootstrap::allGather(groupStore(), key + "/mapped", mapFailure, rank_, size_, timeout),
+          "map a peer's tensor");
+  const std::lock_guard<std::mutex> lock(registrationsMutex_);
+  registrations_.push_back(std::move(reg));
+}
+
+void FusedEngine::deregisterBuffer(const at::Tensor& tensor) {
+  refuseIfUnusable("deregister_buffer");
+  const auto matches = [&](const Registration& reg) {
+    return tensor.defined() && reg.data == tensor.data_ptr() && reg.bytes == tensor.nbytes();
+  };
+  {
+    const std::lock_guard<std::mutex> lock(registrationsMutex_);
+    PYDDP_CHECK_VALUE(std::any_of(registrations_.begin(), registrations_.end(), matches), "rank ",
+                      rank_, ": deregister_buffer: the tensor is not registered with this group "
+                      "(pass the tensor register_buffer took)");
+  }
+  // Once this rank's barrier is done, every rank ran every collective
+  // before it: no launch reads the buffer any more, here or at a peer.
+  barrierAll(CallOptions{})->wait();
+  const std::lock_guard<std::mutex> lock(registrationsMutex_);
+  registrations_.erase(std::remove_if(registrations_.begin(), registrations_.end(), matches),
+                       registrations_.end());
+}
+
 device::FusedArgs FusedEngine::argsFor(const CollectiveDesc& desc, device::Protocol protocol,
                                        const void* input, void* output, size_t count,
                                        Ms timeout) {
@@ -272,21 +403,26 @@ void FusedEngine::runOnGrid(const device::FusedArgs& a, const CollectiveDesc& de
   }
   runner.join();
   const int64_t word = memory_->error();
-  PYDDP_CHECK_COMM(word == 0, describeError(word, desc));
+  // describeError's messages start with pyddp's prefix
+  if (word != 0) C10_THROW_ERROR(DistBackendError, describeError(word, desc));
 }
 
-WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protocol,
-                            const at::Tensor& input, const at::Tensor& output, size_t count,
-                            Results& results, const CallOptions& call,
-                            std::function<void()> before, std::vector<at::Tensor> uses) {
+WorkPtr FusedEngine::launch(const Planned& planned, const at::Tensor& input,
+                            const at::Tensor& output, size_t count, Results& results,
+                            const CallOptions& call, std::function<void()> before,
+                            std::vector<at::Tensor> uses) {
+  const CollectiveDesc& desc = planned.desc;
   const size_t elementBytes = elementSize(desc.dtype);
   const Ms timeout = timeoutOf(call);
-  const auto transfer = [this, protocol, input, output, count, elementBytes, timeout,
+  const auto transfer = [this, protocol = planned.protocol, peer = planned.peer,
+                         offset = planned.offset, input, output, count, elementBytes, timeout,
                          before = std::move(before)](const CollectiveDesc& d, Deadline) {
     if (before) before();
-    const device::FusedArgs a = argsFor(d, protocol, input.defined() ? input.data_ptr() : nullptr,
-                                        output.defined() ? output.data_ptr() : nullptr, count,
-                                        timeout);
+    device::FusedArgs a = argsFor(d, protocol, input.defined() ? input.data_ptr() : nullptr,
+                                  output.defined() ? output.data_ptr() : nullptr, count, timeout);
+    std::copy(peer.begin(), peer.end(), a.peer);
+    a.offset = offset;
+    if (device::registered(a)) registeredLaunches_.fetch_add(1, std::memory_order_relaxed);
     memory_->control().publish(d);
     // The programs advance the counts whether or not they finish: a launch
     // that gave up leaves the group failed.
@@ -308,20 +444,41 @@ WorkPtr FusedEngine::launch(const CollectiveDesc& desc, device::Protocol protoco
                            call);
 }
 
-CollectiveDesc FusedEngine::planned(const CollectiveDesc& desc) const {
+FusedEngine::Planned FusedEngine::plan(const CollectiveDesc& desc, device::Protocol protocol,
+                                       const at::Tensor& read, bool writable) const {
+  Planned p{desc, protocol, {}, 0};
+  if (read.defined() && writable) {
+    const std::lock_guard<std::mutex> lock(registrationsMutex_);
+    const auto* data = static_cast<const char*>(read.data_ptr());
+    for (const Registration& reg : registrations_) {
+      if (data < reg.data || data + read.nbytes() > reg.data + reg.bytes) continue;
+      p.desc.window = reg.number;
+      p.peer = reg.peer;
+      p.offset = static_cast<uint64_t>(data - reg.data);
+      break;
+    }
+  }
   algorithms::Capabilities caps;
   caps.rank = rank_;
   caps.worldSize = size_;
   caps.fused = true;
-  CollectiveDesc d = desc;
-  d.algo = algorithms::select(desc, caps, options_).algo;
-  return d;
+  p.desc.algo = algorithms::select(p.desc, caps, options_).algo;
+  if (p.desc.algo != Algo::Registered) {
+    p.desc.window = 0;
+    p.peer = {};
+    p.offset = 0;
+  }
+  if (desc.kind == CollectiveKind::AllReduce || desc.kind == CollectiveKind::Reduce) {
+    p.protocol = p.desc.algo == Algo::Direct ? device::Protocol::OneShotAllReduce
+                                             : device::Protocol::TwoShotAllReduce;
+  }
+  return p;
 }
 
 WorkPtr FusedEngine::runAllReduce(const CollectiveDesc& desc, const at::Tensor& buf,
                                   Results results, const CallOptions& call) {
-  const CollectiveDesc d = planned(desc);
-  return launch(d, allReduceProtocol(d.algo), buf, buf, d.count, results, call);
+  return launch(plan(desc, device::Protocol::TwoShotAllReduce, buf, true), buf, buf, desc.count,
+                results, call);
 }
 
 WorkPtr FusedEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& input,
@@ -331,17 +488,19 @@ WorkPtr FusedEngine::runReduce(const CollectiveDesc& desc, const at::Tensor& inp
   // ranks' scratch, which starts as a copy of the input.
   std::function<void()> before;
   if (!output.is_same(input)) before = [input, output] { output.copy_(input); };
-  const CollectiveDesc d = planned(desc);
-  return launch(d, allReduceProtocol(d.algo), output, output, d.count, results, call,
-                std::move(before), {input});
+  return launch(plan(desc, device::Protocol::TwoShotAllReduce, at::Tensor(), false), output,
+                output, desc.count, results, call, std::move(before), {input});
 }
 
 WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& input,
                                   const RankBlocks& output, Results results,
                                   const CallOptions& call) {
   if (output.whole.defined()) {
-    return launch(desc, device::Protocol::AllGather, input, output.whole, desc.count, results,
-                  call);
+    // peers read this rank's input while it writes the output's other blocks
+    const bool writable = apart(input, output.whole) ||
+        input.data_ptr() == blockOf(output.whole, rank_, size_);
+    return launch(plan(desc, device::Protocol::AllGather, input, writable), input, output.whole,
+                  desc.count, results, call);
   }
   // The program writes one buffer; a list's blocks may lie anywhere.
   const int64_t count = static_cast<int64_t>(desc.count);
@@ -354,7 +513,8 @@ WorkPtr FusedEngine::runAllGather(const CollectiveDesc& desc, const at::Tensor& 
                      }
                      finish();
                    }};
-  return launch(desc, device::Protocol::AllGather, input, whole, desc.count, gathered, call);
+  return launch(plan(desc, device::Protocol::AllGather, input, true), input, whole, desc.count,
+                gathered, call);
 }
 
 WorkPtr FusedEngine::runGather(const CollectiveDesc& desc, const at::Tensor& input,
@@ -387,25 +547,29 @@ WorkPtr FusedEngine::runScatter(const CollectiveDesc& desc, const RankBlocks& in
                  output.view({-1}).copy_(whole.narrow(0, mine, count));
                  finish();
                }};
-  return launch(desc, device::Protocol::Broadcast, whole, whole, desc.count * size_, kept, call,
-                std::move(pack), std::move(blocks));
+  return launch(plan(desc, device::Protocol::Broadcast, at::Tensor(), false), whole, whole,
+                desc.count * size_, kept, call, std::move(pack), std::move(blocks));
 }
 
 WorkPtr FusedEngine::runBroadcast(const CollectiveDesc& desc, const at::Tensor& buf,
                                   Results results, const CallOptions& call) {
-  return launch(desc, device::Protocol::Broadcast, buf, buf, desc.count, results, call);
+  return launch(plan(desc, device::Protocol::Broadcast, buf, true), buf, buf, desc.count,
+                results, call);
 }
 
 WorkPtr FusedEngine::runReduceScatter(const CollectiveDesc& desc, const at::Tensor& input,
                                       const at::Tensor& output, Results results,
                                       const CallOptions& call) {
-  return launch(desc, device::Protocol::ReduceScatter, input, output, desc.count, results,
-                call);
+  // peers read this rank's input's other blocks while it writes the output
+  const bool writable = apart(input, output) || output.data_ptr() == blockOf(input, rank_, size_);
+  return launch(plan(desc, device::Protocol::ReduceScatter, input, writable), input, output,
+                desc.count, results, call);
 }
 
 WorkPtr FusedEngine::runBarrier(const CollectiveDesc& desc, const CallOptions& call) {
   Results none;
-  return launch(desc, device::Protocol::Barrier, at::Tensor(), at::Tensor(), 0, none, call);
+  return launch(plan(desc, device::Protocol::Barrier, at::Tensor(), false), at::Tensor(),
+                at::Tensor(), 0, none, call);
 }
 
 namespace {

@@ -27,6 +27,17 @@
 // all-to-all, on the engine's stream, behind the caller's), and to the
 // device once received; correct and simple, but bound by the copies and
 // the host's messages, not by the GPU's links.
+//
+// Registered buffers (NCCL's window registration, vLLM's registered
+// buffers): registerBuffer() is a collective in which every rank names a
+// tensor of the same size; each maps every peer's (FusedMemory::
+// mapRegion) and keeps it until deregisterBuffer() or the group's end. An
+// all-reduce, all-gather, reduce-scatter or broadcast whose tensor that
+// peers read lies in one on every rank (the same registration: the
+// descriptor's window, which ranks compare; anywhere in it) launches with
+// every rank's buffer and reads the peers' tensors where they lie
+// (programs.h: registered launches); the one-shot all-reduce's sizes keep
+// staging (one barrier where in place takes three).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -36,6 +47,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -66,6 +78,22 @@ class FusedEngine final : public Engine {
   // How many channels a collective of `bytes` per rank uses: one per
   // kBytesPerChannel, at most the geometry's (every rank alike).
   int channelsFor(size_t bytes) const;
+
+  // Registers `tensor` (contiguous, not empty, on this engine's device,
+  // overlapping no registered buffer) on every rank: a collective in which
+  // every rank passes one of as many bytes, which the group holds until
+  // deregisterBuffer() or its end. Bounded by the group's timeout; a rank
+  // that cannot export its own or map a peer's fails every rank alike,
+  // saying why.
+  void registerBuffer(const at::Tensor& tensor);
+  // Ends the registration of `tensor` (as registered) on every rank: a
+  // collective that waits, through a barrier of the group, until no rank
+  // reads it, then lets the peers' mappings and the tensor go.
+  void deregisterBuffer(const at::Tensor& tensor);
+  // Launches that read registered buffers in place so far, for tests.
+  uint64_t registeredLaunches() const {
+    return registeredLaunches_.load(std::memory_order_relaxed);
+  }
 
  protected:
   const Executor& executor() const override;
@@ -100,17 +128,30 @@ class FusedEngine final : public Engine {
   void shutDown(Teardown how) override;
 
  private:
+  // A collective as it runs: its descriptor as every rank compares it (the
+  // algorithm algorithms::select() planned and the registered buffer it
+  // reads), its program, and for a registered launch every rank's buffer
+  // and where this rank's tensor lies in its own (device::FusedArgs).
+  struct Planned {
+    CollectiveDesc desc;
+    device::Protocol protocol;
+    std::array<const char*, device::kMaxRanks> peer{};
+    uint64_t offset = 0;
+  };
+  // The plan of `desc` with program `protocol` (an all-reduce's: one-shot
+  // or two-shot as selected), reading `read` in place where it lies in a
+  // registered buffer and `writable` (this rank may write its output while
+  // peers read `read`).
+  Planned plan(const CollectiveDesc& desc, device::Protocol protocol, const at::Tensor& read,
+               bool writable) const;
+
   // One launch: `input` and `output` (contiguous; `count` elements as
   // FusedArgs says) with `protocol`, the results finished as `results`
   // says. `before` runs first, in the collective's turn (on a GPU, on the
   // engine's stream), on the tensors of `uses` besides input and output.
-  WorkPtr launch(const CollectiveDesc& desc, device::Protocol protocol, const at::Tensor& input,
-                 const at::Tensor& output, size_t count, Results& results,
-                 const CallOptions& call, std::function<void()> before = nullptr,
-                 std::vector<at::Tensor> uses = {});
-  // `desc` with the algorithm algorithms::select() plans for it (an
-  // all-reduce's or reduce's program), which every rank compares.
-  CollectiveDesc planned(const CollectiveDesc& desc) const;
+  WorkPtr launch(const Planned& planned, const at::Tensor& input, const at::Tensor& output,
+                 size_t count, Results& results, const CallOptions& call,
+                 std::function<void()> before = nullptr, std::vector<at::Tensor> uses = {});
   std::chrono::milliseconds timeoutOf(const CallOptions& call) const;
   device::FusedArgs argsFor(const CollectiveDesc& desc, device::Protocol protocol,
                             const void* input, void* output, size_t count,
@@ -137,6 +178,22 @@ class FusedEngine final : public Engine {
   // Per channel, before the next launch (the executor runs one at a time).
   std::array<uint64_t, device::kMaxChannels> crossed_{};
   std::array<uint64_t, device::kMaxChannels> rounds_{};
+  // A registered buffer: this rank's tensor (held: peers map its memory)
+  // and every rank's copy as this rank addresses it.
+  struct Registration {
+    uint64_t number;  // 1, 2, ... in registration order, alike on every rank
+    at::Tensor tensor;
+    const char* data;
+    size_t bytes;
+    std::array<const char*, device::kMaxRanks> peer{};
+    std::vector<std::shared_ptr<const void>> maps;  // the peers' mappings
+  };
+  // Guards registrations_ (callers' threads register and launch).
+  mutable std::mutex registrationsMutex_;
+  std::vector<Registration> registrations_;
+  uint64_t registrationsMade_ = 0;
+  std::atomic<uint64_t> registeredLaunches_{0};
+
   // Why the emulated grid's host aborted a launch (a dead peer, an
   // interrupt); "" for teardown.
   std::string abortedBecause_;

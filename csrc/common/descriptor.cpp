@@ -73,6 +73,7 @@ std::string formatField(int i, uint64_t v) {
     hex << "0x" << std::hex << v;
     return hex.str();
   }
+  if (i == k_window) return v == 0 ? "none" : "buffer " + std::to_string(v);
   switch (i) {
 #define PYDDP_DESC_FORMAT(name, type, init, label) \
   case k_##name:                                   \
@@ -99,7 +100,8 @@ std::string describe(const CollectiveDesc& d) {
   for (int i = 0; i < kDescFields; ++i) {
     // seq and kind are said around the call; op only matters to reductions.
     const bool shown = i != k_seq && i != k_kind && (i != k_op || isReduction(d.kind)) &&
-        (i != k_root || d.root >= 0) && (i != k_split || d.split != 0);
+        (i != k_root || d.root >= 0) && (i != k_split || d.split != 0) &&
+        (i != k_window || d.window != 0);
     if (!shown) continue;
     s << (first ? "" : ", ") << kFieldNames[i] << "=" << formatField(i, v[i]);
     first = false;

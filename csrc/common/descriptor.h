@@ -30,7 +30,8 @@ namespace pyddp {
   X(op, RedOp, RedOp::Sum, "op")                               \
   X(root, int32_t, -1, "src")                                  \
   X(algo, Algo, Algo::Ring, "algo")                            \
-  X(split, uint64_t, 0, "split")
+  X(split, uint64_t, 0, "split")                              \
+  X(window, uint64_t, 0, "registered")
 
 struct CollectiveDesc {
 #define PYDDP_DESC_MEMBER(name, type, init, label) type name = init;
@@ -41,7 +42,9 @@ struct CollectiveDesc {
   // source, reduce and gather destination; -1 for the others. algo: which
   // algorithm runs it, which ranks must pick alike. split: how a coalesced
   // call splits its buffer into the user's tensors (their shapes, hashed
-  // into at most kMaxSplit); 0 for one tensor.
+  // into at most kMaxSplit); 0 for one tensor. window: the buffer
+  // registered with the fused engine (1, 2, ... in registration order,
+  // alike on every rank) that the tensor peers read lies in; 0 for none.
 };
 // The struct is the shared-memory wire format: pin its layout.
 static_assert(std::is_trivially_copyable_v<CollectiveDesc>);
@@ -50,7 +53,8 @@ static_assert(offsetof(CollectiveDesc, seq) == 0 && offsetof(CollectiveDesc, cou
               offsetof(CollectiveDesc, kind) == 16 && offsetof(CollectiveDesc, dtype) == 20 &&
               offsetof(CollectiveDesc, op) == 24 && offsetof(CollectiveDesc, root) == 28 &&
               offsetof(CollectiveDesc, algo) == 32 && offsetof(CollectiveDesc, split) == 40 &&
-              sizeof(CollectiveDesc) == 48);
+              offsetof(CollectiveDesc, window) == 48 && sizeof(CollectiveDesc) == 56);
+
 // Every field's word stays below 2^63, so that each word of encodeWords()
 // (below) has the same top bit on every rank, and a MAX of them as int64
 // (torch's gloo, across hosts) orders them as uint64 does.

@@ -27,8 +27,9 @@
 //     stores arrive[c] = k (release, after its team's writes), then waits
 //     until every peer's arrive[c] >= k (acquire), then its team reads.
 //   Agreement. Before the first barrier of collective #seq, channel c stores
-//     the collective's digest in digest[c].slot[seq % kDigestRing]; after
-//     that barrier it compares each peer's. A rank is at most one collective
+//     the collective's digest in digest[c].slot[seq % kDigestRing] (and the
+//     offset of its registered tensor beside it); after that barrier it
+//     compares each peer's (and reads where the peer's tensor lies). A rank is at most one collective
 //     ahead of a peer on any channel (a launch ends before the next starts,
 //     and its barriers need the peer's arrivals), so the ring never
 //     overwrites a digest a peer still reads.
@@ -70,13 +71,17 @@ struct alignas(kLineBytes) Flag {
 };
 static_assert(sizeof(Flag) == kLineBytes);
 
+// What collective #seq is, for the peers: its digest, and for a
+// registered launch the byte offset of this rank's tensor in the
+// registered buffer (each rank's may differ), in slot seq % kDigestRing.
 struct alignas(kLineBytes) DigestSlots {
   uint64_t slot[kDigestRing];
+  uint64_t offset[kDigestRing];
 };
 static_assert(sizeof(DigestSlots) == kLineBytes);
 
 constexpr uint64_t kFusedMagic = 0x7079646466757365ull;  // "pyddfuse"
-constexpr uint32_t kFusedLayoutVersion = 1;
+constexpr uint32_t kFusedLayoutVersion = 2;
 
 struct alignas(kLineBytes) FusedHeader {
   Flag arrive[kMaxChannels];         // barriers channel c crossed

@@ -24,6 +24,32 @@
 //                        the root's staged chunk.
 //   barrier              one barrier on channel 0.
 //
+// A registered launch (FusedArgs::peer set: every rank's tensor lies in a
+// buffer that every rank mapped when it was registered, each at the offset
+// its rank publishes at the first barrier) stages nothing and has no
+// rounds: a channel reads its peers' parts where they lie and writes its
+// own rank's tensor only, between barriers that every channel of the
+// launch crosses:
+//
+//   all-reduce (two-shot) barrier; rank r reduces block r of every rank's
+//                         part, in rank order, in place into its own;
+//                         barrier; copy every other rank's reduced block
+//                         from its tensor; barrier.
+//   all-gather            barrier; copy every rank's part of its input into
+//                         its block of the output; barrier.
+//   reduce-scatter        barrier; reduce block `rank` of every rank's
+//                         input, in rank order, into the output; barrier.
+//   broadcast             barrier; the others copy the root's part; barrier.
+//
+// The first barrier says every rank's tensor holds its input (its stream
+// reached the launch). A rank writes only what no peer reads before the
+// next barrier: its own block of the all-reduce in the first phase (peers
+// read theirs), the other blocks in the second (peers read each block
+// from the rank that reduced it), an output that does not overlap what
+// peers read of its input (the engine refuses the registered path for one
+// that does). The last barrier: no rank returns, letting its caller write
+// its tensor, while a peer still reads it.
+//
 // Reductions run in rank order on every rank, so every rank ends with the
 // same bits; half types accumulate in fp32 (kernels/reduce.h).
 #pragma once
@@ -67,6 +93,13 @@ struct FusedArgs {
   const void* input;
   void* output;
   char* base[kMaxRanks];  // every rank's buffer, this rank's own writable
+  // Registered launches: every rank's registered buffer that the tensor
+  // peers read lies in (the all-reduce's buffer; the input of the others),
+  // as this rank addresses it; all null for a staged launch. `offset`:
+  // where this rank's tensor starts in its own, published at the first
+  // barrier (each rank's may differ).
+  const char* peer[kMaxRanks];
+  uint64_t offset;
   Geometry geometry;
   // Before this launch: barriers crossed and rounds staged, by channel
   // (layout.h; the host keeps the counts as the programs advance them).
@@ -102,6 +135,10 @@ PYDDP_DEV inline schedule::Range granulePart(size_t total, int parts, int p, siz
   return schedule::Range{begin, end - begin};
 }
 
+PYDDP_DEV inline bool registered(const FusedArgs& a) {
+  return a.peer[0] != nullptr;
+}
+
 PYDDP_DEV inline ChannelPlan planChannel(const FusedArgs& a, int c, size_t elementBytes) {
   ChannelPlan p;
   if (a.protocol == Protocol::Barrier) {
@@ -120,6 +157,12 @@ PYDDP_DEV inline ChannelPlan planChannel(const FusedArgs& a, int c, size_t eleme
   const size_t perRound = a.protocol == Protocol::ReduceScatter
       ? chunk / static_cast<size_t>(a.size) / g * g
       : chunk / g * g;
+  if (registered(a)) {
+    // the whole part at once, on every channel of the launch alike
+    p.roundElements = p.elements;
+    p.barriers = a.protocol == Protocol::TwoShotAllReduce ? 3 : 2;
+    return p;
+  }
   p.roundElements = perRound > 0 ? perRound : g;
   p.rounds = (p.elements + p.roundElements - 1) / p.roundElements;
   // Every collective meets on channel 0 at least once, so ranks that called
@@ -162,7 +205,10 @@ PYDDP_DEV inline bool crossBarrier(const FusedArgs& a, int c, uint64_t k, bool a
   if (team.leader()) {
     FusedHeader* own = headerOf(a, a.rank);
     const int slot = static_cast<int>(a.seq % kDigestRing);
-    if (agree) own->digest[c].slot[slot] = a.digest;
+    if (agree) {
+      own->digest[c].slot[slot] = a.digest;
+      own->digest[c].offset[slot] = a.offset;
+    }
     storeRelease(&own->arrive[c].value, k);
     int64_t verdict = kOk;
     const uint64_t start = nowNs();
@@ -232,12 +278,74 @@ PYDDP_DEV inline void teamReduce(const Team& team, const FusedArgs& a, T* dst,
   kernels::grid::gridMap(pos, f, count, kernels::grid::alignedSplit(f, count));
 }
 
+// Channel c's part of the registered launch `a` (planned as `plan`), its
+// barriers counted from `k`.
+template <typename T, typename Op>
+PYDDP_DEV void runRegistered(const FusedArgs& a, int c, const ChannelPlan& plan, uint64_t k,
+                             const Team& team, int* shared) {
+  const int n = a.size;
+  const size_t g = granule(sizeof(T));
+  T* out = static_cast<T*>(a.output);
+  // every rank's tensor holds its input, and each says where it lies
+  if (!crossBarrier(a, c, ++k, true, team, shared)) return;
+  const T* tensor[kMaxRanks];
+  const int slot = static_cast<int>(a.seq % kDigestRing);
+  for (int r = 0; r < n; ++r) {
+    const uint64_t offset = r == a.rank
+        ? a.offset
+        : static_cast<uint64_t>(loadVolatile(
+              reinterpret_cast<const int64_t*>(&headerOf(a, r)->digest[c].offset[slot])));
+    tensor[r] = reinterpret_cast<const T*>(a.peer[r] + offset);
+  }
+  const auto peer = [&](int r) { return tensor[r]; };
+  const T* src[kMaxRanks];
+  switch (a.protocol) {
+    case Protocol::TwoShotAllReduce: {
+      // reduce this rank's block in place, then fetch the others' reduced
+      const schedule::Range mine = granulePart(plan.elements, n, a.rank, g);
+      for (int r = 0; r < n; ++r) src[r] = peer(r) + plan.first + mine.begin;
+      teamReduce<T, Op>(team, a, out + plan.first + mine.begin, src, mine.count);
+      if (!crossBarrier(a, c, ++k, false, team, shared)) return;
+      for (int r = 0; r < n; ++r) {
+        if (r == a.rank) continue;
+        const schedule::Range block = granulePart(plan.elements, n, r, g);
+        const size_t at = plan.first + block.begin;
+        teamCopy(team, out + at, peer(r) + at, block.count * sizeof(T));
+      }
+      break;
+    }
+    case Protocol::AllGather:
+      for (int r = 0; r < n; ++r) {
+        teamCopy(team, out + r * a.count + plan.first, peer(r) + plan.first,
+                 plan.elements * sizeof(T));
+      }
+      break;
+    case Protocol::ReduceScatter:
+      for (int r = 0; r < n; ++r) src[r] = peer(r) + a.rank * a.count + plan.first;
+      teamReduce<T, Op>(team, a, out + plan.first, src, plan.elements);
+      break;
+    case Protocol::Broadcast:
+      if (a.rank != a.root) {
+        teamCopy(team, out + plan.first, peer(a.root) + plan.first, plan.elements * sizeof(T));
+      }
+      break;
+    default:
+      break;
+  }
+  // no peer reads this rank's tensor any more
+  crossBarrier(a, c, ++k, false, team, shared);
+}
+
 // Channel c's whole part of the collective `a`, on element type T and
 // operator Op. `shared` is one int the team shares (the barrier's verdict).
 template <typename T, typename Op>
 PYDDP_DEV void runChannel(const FusedArgs& a, int c, const Team& team, int* shared) {
   if (loadVolatile(a.error) != 0) return;  // an earlier launch gave up: drain
   const ChannelPlan plan = planChannel(a, c, sizeof(T));
+  if (registered(a)) {
+    runRegistered<T, Op>(a, c, plan, a.crossed[c], team, shared);
+    return;
+  }
   const int n = a.size;
   const Geometry& geo = a.geometry;
   const T* in = static_cast<const T*>(a.input);

@@ -310,6 +310,7 @@ void bindTesting(py::module_& m) {
     c.op = d.contains("op") ? d["op"].cast<RedOp>() : RedOp::Sum;
     c.root = d.contains("root") ? d["root"].cast<int>() : -1;
     c.algo = d.contains("algo") ? d["algo"].cast<Algo>() : Algo::Ring;
+    c.window = d.contains("window") ? d["window"].cast<uint64_t>() : 0;
     return c;
   };
   // algorithms::select() of a call (the descriptor's algo: what the front
@@ -320,8 +321,9 @@ void bindTesting(py::module_& m) {
       "select",
       [](const std::string& kind, uint64_t count, const std::string& dtype, int root,
          const std::string& algo, const py::dict& caps, const GroupOptions& options,
-         std::pair<bool, bool> pick) {
+         std::pair<bool, bool> pick, uint64_t window) {
         CollectiveDesc d;
+        d.window = window;
         d.kind = kindNamed(kind);
         d.count = count;
         d.dtype = named(dtype, DataType::Int64, "dtype");
@@ -353,7 +355,8 @@ void bindTesting(py::module_& m) {
         return out;
       },
       py::arg("kind"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("algo"),
-      py::arg("caps"), py::arg("options"), py::arg("pick") = std::make_pair(false, false));
+      py::arg("caps"), py::arg("options"), py::arg("pick") = std::make_pair(false, false),
+      py::arg("window") = 0);
   t.def("reads_in_place",
         [](const std::string& kind) { return algorithms::readsInPlace(kindNamed(kind)); });
   t.def("describe_desc", [=](const py::dict& d) { return describe(desc(d)); });
@@ -398,10 +401,13 @@ void bindTesting(py::module_& m) {
   });
   // A fused collective's plan per channel (device/programs.h), as the
   // programs and the host both compute it: by channel, (first element,
-  // elements, elements per round, rounds, barriers).
+  // elements, elements per round, rounds, barriers); `registered`: a
+  // registered launch's.
   t.def("fused_plan", [](int protocol, uint64_t count, int size, int channels,
-                         size_t chunkBytes, size_t elementBytes) {
+                         size_t chunkBytes, size_t elementBytes, bool registered) {
+    static const char buffer = 0;
     device::FusedArgs a{};
+    if (registered) a.peer[0] = &buffer;
     a.protocol = static_cast<device::Protocol>(protocol);
     a.size = size;
     a.channels = channels;
@@ -413,7 +419,8 @@ void bindTesting(py::module_& m) {
       plans.emplace_back(p.first, p.elements, p.roundElements, p.rounds, p.barriers);
     }
     return plans;
-  });
+  }, py::arg("protocol"), py::arg("count"), py::arg("size"), py::arg("channels"),
+     py::arg("chunk_bytes"), py::arg("element_bytes"), py::arg("registered") = false);
   t.def("reduce_n", [](RedOp op, int worldSize, std::vector<at::Tensor> srcs) {
     auto out = at::empty_like(srcs.at(0));
     std::vector<const void*> ptrs;

@@ -1,7 +1,12 @@
 #include "transport/cuda_ipc.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <random>
+#include <utility>
 
 #include "common/blob.h"
 #include "common/check.h"
@@ -21,6 +26,49 @@ constexpr size_t kIdentityBytes = offsetof(device::FusedHeader, probe) - kIdenti
 
 BlobReader readerOf(const std::string& text, int peer) {
   return BlobReader(text, "rank " + std::to_string(peer) + "'s cuda_ipc bootstrap blob");
+}
+
+// Peers' allocations this process opened for registered tensors, by handle,
+// with how many registrations hold each: opened at the first, closed after
+// the last.
+class OpenedHandles {
+ public:
+  std::shared_ptr<const void> open(const cudaIpcMemHandle_t& handle, int rank, int peer) {
+    const std::string key(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto it = opened_.find(key);
+    if (it == opened_.end()) {
+      void* mapped = nullptr;
+      cudaCheck(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), rank,
+                ("cudaIpcOpenMemHandle of rank " + std::to_string(peer) +
+                 "'s registered tensor").c_str());
+      it = opened_.emplace(key, Opened{mapped, 0}).first;
+    }
+    ++it->second.holders;
+    return std::shared_ptr<const void>(it->second.mapped, [this, key](const void*) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto held = opened_.find(key);
+      if (--held->second.holders == 0) {
+        cudaIpcCloseMemHandle(held->second.mapped);
+        opened_.erase(held);
+      }
+    });
+  }
+
+ private:
+  struct Opened {
+    void* mapped;
+    int holders;
+  };
+  std::mutex mutex_;
+  std::map<std::string, Opened> opened_;
+};
+
+// One per process, never destroyed: a registration may end while the
+// process exits.
+OpenedHandles& openedHandles() {
+  static auto* handles = new OpenedHandles();
+  return *handles;
 }
 
 } // namespace
@@ -173,6 +221,35 @@ void CudaIpcMemory::tellPeers() {
   QuietDeviceGuard scope(device_);
   cudaMemcpyAsync(&header(rank_)->failed.value, hostWords_ + kOneWord, sizeof(uint64_t),
                   cudaMemcpyHostToDevice, stream_);
+}
+
+std::string CudaIpcMemory::exportRegion(const void* data, size_t bytes) const {
+  QuietDeviceGuard scope(device_);
+  size_t allocationBytes = 0;
+  void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(const_cast<void*>(data),
+                                                                  &allocationBytes);
+  const size_t offset = static_cast<size_t>(static_cast<const char*>(data) -
+                                            static_cast<const char*>(base));
+  PYDDP_CHECK_VALUE(offset + bytes <= allocationBytes, "rank ", rank_, ": a registered CUDA "
+                    "tensor must lie in one allocation of torch's caching allocator");
+  cudaIpcMemHandle_t handle;
+  cudaCheck(cudaIpcGetMemHandle(&handle, base), rank_,
+            "cudaIpcGetMemHandle of a registered tensor (memory of an allocator with "
+            "expandable segments, PYTORCH_CUDA_ALLOC_CONF, has no IPC handle)");
+  return BlobWriter().putBytes("handle", &handle, sizeof(handle)).put("offset", offset).str();
+}
+
+// `bytes`: CUDA does not say how long an opened allocation is; the
+// engine checked that every rank registered as many.
+FusedMemory::PeerRegion CudaIpcMemory::mapRegion(int peer, const std::string& blob,
+                                                 size_t /*bytes*/) const {
+  QuietDeviceGuard scope(device_);
+  const BlobReader r(blob, "rank " + std::to_string(peer) + "'s registered tensor");
+  cudaIpcMemHandle_t handle;
+  r.bytes("handle", &handle, sizeof(handle));
+  std::shared_ptr<const void> held = openedHandles().open(handle, rank_, peer);
+  const char* data = static_cast<const char*>(held.get()) + r.get<size_t>("offset");
+  return PeerRegion{data, std::move(held)};
 }
 
 } // namespace pyddp

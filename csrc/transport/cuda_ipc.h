@@ -6,6 +6,12 @@
 // (cudaDeviceCanAccessPeer is not trusted). Host-side bootstrap and
 // liveness are the shm control plane's (shm_control.h), alone.
 //
+// A registered tensor (FusedEngine::registerBuffer) is exported as its
+// caching-allocator allocation's IPC handle and its offset there; a peer
+// opens each handle once per process (CUDA refuses a second open of one
+// handle, and two registered tensors may share an allocation) and closes
+// it when the last registration in it ends.
+//
 // Setup, connect and teardown run on a stream of this object's own and
 // synchronise that stream, never the device: a device-wide synchronisation
 // would also wait on other groups' pending collectives.
@@ -50,6 +56,8 @@ class CudaIpcMemory final : public FusedMemory {
   // Raises this rank's failed flag from a stream that does not queue behind
   // its own (maybe waiting) kernels.
   void tellPeers() override;
+  std::string exportRegion(const void* data, size_t bytes) const override;
+  PeerRegion mapRegion(int peer, const std::string& blob, size_t bytes) const override;
 
  private:
   // The host-mapped words, each on its own 64-byte line: the error word,

@@ -6,6 +6,7 @@
 #include "common/blob.h"
 #include "common/check.h"
 #include "device/primitives.h"
+#include "transport/registered.h"
 
 namespace pyddp {
 namespace {
@@ -83,6 +84,25 @@ void EmulatedMemory::abort() {
 void EmulatedMemory::tellPeers() {
   auto* own = reinterpret_cast<device::FusedHeader*>(control_.ownData());
   if (own != nullptr) device::storeRelease(&own->failed.value, 1);
+}
+
+std::string EmulatedMemory::exportRegion(const void* data, size_t bytes) const {
+  const registered::Ref ref = registered::locate(data, bytes);
+  PYDDP_CHECK_VALUE(ref.serial != 0, "rank ", rank_, ": the emulated grid's peers map "
+                    "registered memory only: register a CPU tensor made by pyddp.empty (or a "
+                    "contiguous view of one)");
+  return BlobWriter().putBytes("ref", &ref, sizeof(ref)).str();
+}
+
+FusedMemory::PeerRegion EmulatedMemory::mapRegion(int peer, const std::string& blob,
+                                                  size_t bytes) const {
+  registered::Ref ref{};
+  BlobReader(blob, "rank " + std::to_string(peer) + "'s registered tensor")
+      .bytes("ref", &ref, sizeof(ref));
+  // One mapping, held until the registration ends.
+  auto maps = std::make_shared<registered::PeerMaps>();
+  const void* data = maps->map(ref, bytes, control_.pid(peer), peer);
+  return PeerRegion{static_cast<const char*>(data), std::move(maps)};
 }
 
 } // namespace pyddp

@@ -5,6 +5,10 @@
 // process's memory. So the channel programs run between real processes
 // over memory shared as on a GPU, and the CPU test suite exercises their
 // barriers, digests, rounds and failures.
+//
+// Registered tensors are CPU tensors in registered memory (pyddp.empty:
+// transport/registered.h), which peers map read-only as the shm transport
+// does, as a GPU's peers open a registered tensor's IPC handle.
 #pragma once
 
 #include <atomic>
@@ -36,6 +40,8 @@ class EmulatedMemory final : public FusedMemory {
   int64_t error() const override;
   void abort() override;
   void tellPeers() override;
+  std::string exportRegion(const void* data, size_t bytes) const override;
+  PeerRegion mapRegion(int peer, const std::string& blob, size_t bytes) const override;
 
  private:
   // The device's words, apart from the buffer (host memory on a GPU too).

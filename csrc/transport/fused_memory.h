@@ -10,7 +10,9 @@
 // grid (emulated_memory.h: the CPU test suite's).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "device/layout.h"
@@ -38,6 +40,19 @@ class FusedMemory : public Connectable {
   // Peers' waits on this rank end from now on (its failed flag), but for
   // what this rank has done its part of. Safe from any thread.
   virtual void tellPeers() = 0;
+
+  // A peer's registered tensor (FusedEngine::registerBuffer) as this
+  // rank's device addresses it, mapped read-only while `keep` lives.
+  struct PeerRegion {
+    const char* data = nullptr;
+    std::shared_ptr<const void> keep;
+  };
+  // What a peer needs to map [data, data + bytes) of this rank's memory
+  // (mapRegion). Throws, saying why, if that memory cannot be shared.
+  virtual std::string exportRegion(const void* data, size_t bytes) const = 0;
+  // Rank `peer`'s memory that `blob` (its exportRegion()) names, `bytes`
+  // long. Throws, naming the peer, if it cannot be mapped.
+  virtual PeerRegion mapRegion(int peer, const std::string& blob, size_t bytes) const = 0;
 
   shm::ControlPlane& control() { return control_; }
   const shm::ControlPlane& control() const { return control_; }

@@ -79,7 +79,7 @@ constexpr uint64_t kControlMagic = 0x7079646470736d31ull;  // "pyddpsm1"
 // differently do not connect (9: the header split from the shm transport's
 // data, and the descriptor's split). The blob says it first, so a peer of
 // another version is named as such before its fields are read.
-constexpr uint32_t kControlLayoutVersion = 9;
+constexpr uint32_t kControlLayoutVersion = 10;
 // Room for the reason a rank gave up, shown by the peers that waited on it.
 constexpr size_t kFailureTextBytes = 448;
 

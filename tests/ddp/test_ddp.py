@@ -345,6 +345,57 @@ def test_training_matches_single_process_and_torch_ddp(ranks, name):
                            ours[0][0]["params"]["unused.weight"])
 
 
+def _train_registered(ctx: RankContext, name: str, hook: bool) -> bytes:
+    """``CASES[name]`` trained with pyddp's DDP over the fused collectives on the emulated
+    grid (two-shot forced, so that every bucket reads in place), and with torch's DDP."""
+    case = CASES[name]
+    options = pyddp.GroupOptions()
+    options.algo = pyddp.Algo.TWO_SHOT
+    group = pyddp.create_group(
+        "emulated", store=dist.FileStore(ctx.store_path(f"emulated-{name}-{hook}"),
+                                         ctx.world_size),
+        rank=ctx.rank, world_size=ctx.world_size, timeout=datetime.timedelta(seconds=60),
+        options=options)
+    assert group.can_register("cpu")
+    model = make_model(case, ctx.rank)
+    default = pyddp.reducer.IN_PLACE_MIN_BYTES
+    if case.in_place_min_bytes is not None:
+        pyddp.reducer.IN_PLACE_MIN_BYTES = case.in_place_min_bytes
+    try:
+        ddp = DistributedDataParallel(model, process_group=group, **case.ddp)
+    finally:
+        pyddp.reducer.IN_PLACE_MIN_BYTES = default
+    if hook:
+        # the buckets are made again, every gradient packed, and registered again
+        ddp.register_comm_hook(group, allreduce_hook)
+    engine = group._engines["cpu"]
+    start = engine.registered_launches
+    ours = train(case, model, ddp, ctx.rank, ddp.no_sync)
+    launches = engine.registered_launches - start
+    buffers = sum(1 for bucket in ddp.reducer._buckets if bucket.buffer.numel())
+    group.shutdown()
+    torch_model = make_model(case, ctx.rank)
+    torch_ddp = TorchDDP(torch_model, **case.ddp)
+    theirs = train(case, torch_model, torch_ddp, ctx.rank, torch_ddp.no_sync)
+    return pack((ours, theirs, launches, buffers))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("hook", [False, True], ids=["no-hook", "allreduce-hook"])
+@pytest.mark.parametrize("name", ["small-caps-adam", "bucket-view", "no-sync"])
+def test_buckets_registered_with_fused_collectives_are_read_in_place(ranks, name, hook):
+    case = CASES[name]
+    expected = reference(case, ranks.world_size)
+    results = [unpack(r) for r in ranks.run(_train_registered, name, hook)]
+    ours = [r[0] for r in results]
+    assert_identical_records(ours, f"{name} pyddp over registered buckets")
+    for rank, (mine, theirs, launches, buffers) in enumerate(results):
+        assert_close_records(mine, expected, f"{name} rank {rank} vs single process")
+        assert_close_records(mine, theirs, f"{name} rank {rank} vs torch DDP")
+        # every bucket's buffer, once per synchronised backward; nothing else
+        assert buffers > 0 and launches == case.steps * buffers, (rank, launches, buffers)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 def test_no_sync_backward_does_not_communicate(ranks, as_view):

@@ -227,6 +227,56 @@ def test_barrier_meets_on_both_engines(ranks):
     assert all(left >= last_entry for _, left in times), times
 
 
+def _registered_buffers(ctx: RankContext) -> None:
+    """Collectives on CUDA tensors in a registered buffer read the peers' in place: the
+    "two_shot" group (every all_reduce size in place), tensors at offsets that differ by
+    rank, against references made on the CPU; a plain tensor beside them stages."""
+    pg, dev, n, r = ctx.groups["two_shot"], ctx.state["device"], ctx.world_size, ctx.rank
+    engine = pg._engines["cuda"]
+    assert pg.can_register(dev) and isinstance(engine, pyddp._C.FusedEngine)
+    buffer = torch.zeros(1 << 22, dtype=torch.uint8, device=dev)
+    pg.register_buffer(buffer)
+    start = engine.registered_launches
+    count = 100_003
+    inputs = [torch.randn(n * count, generator=torch.Generator().manual_seed(k))
+              for k in range(n)]
+
+    def window(offset: int, elements: int) -> torch.Tensor:
+        return buffer[offset:offset + 4 * elements].view(torch.float32)
+
+    t = window(256 * (r + 1), count)
+    t.copy_(inputs[r][:count])
+    pg.all_reduce(t)
+    expected = sum(x[:count].double() for x in inputs).float()
+    torch.testing.assert_close(t.cpu(), expected, rtol=1e-5, atol=1e-5)
+    whole = window(0, n * count)
+    whole.zero_()
+    mine = whole[r * count:(r + 1) * count]
+    mine.copy_(inputs[r][:count])
+    pg.all_gather_single(whole, mine)
+    assert torch.equal(whole.cpu(), torch.cat([x[:count] for x in inputs]))
+    for root in range(n):
+        t = window(512, count)
+        t.copy_(inputs[r][:count])
+        pg.broadcast(t, root)
+        assert torch.equal(t.cpu(), inputs[root][:count])
+    source = window(0, n * count)
+    source.copy_(inputs[r])
+    out = torch.empty(count, device=dev)
+    pg.reduce_scatter_single(out, source)
+    expected = sum(x.double() for x in inputs).float()[r * count:(r + 1) * count]
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert engine.registered_launches - start == 3 + n
+    plain = inputs[r][:count].to(dev)
+    pg.all_reduce(plain)
+    assert engine.registered_launches - start == 3 + n
+    pg.deregister_buffer(buffer)
+
+
+def test_registered_buffers_are_read_in_place(ranks):
+    ranks.run(_registered_buffers)
+
+
 # Buckets of one parameter each and gradients as bucket views; no_sync micro-batches.
 DDP_CASES = {
     "default": Case(),
@@ -240,17 +290,25 @@ GPU_RTOL, GPU_ATOL = 1e-3, 1e-5
 def _ddp_trains(ctx: RankContext, group: str, case: Case) -> bytes:
     device = ctx.state["device"]
     model = make_model(case, ctx.rank).to(device)
-    ddp = pyddp.DistributedDataParallel(model, device_ids=[device],
-                                        process_group=ctx.groups[group], **case.ddp)
-    return pack(train(case, model, ddp, ctx.rank, ddp.no_sync, device=device))
+    pg = ctx.groups[group]
+    ddp = pyddp.DistributedDataParallel(model, device_ids=[device], process_group=pg,
+                                        **case.ddp)
+    engine = pg._engines["cuda"]
+    start = getattr(engine, "registered_launches", 0)
+    records = train(case, model, ddp, ctx.rank, ddp.no_sync, device=device)
+    return pack((records, getattr(engine, "registered_launches", 0) - start))
 
 
 @pytest.mark.parametrize("group", ["auto", "ring", "nccl"])
 @pytest.mark.parametrize("case", DDP_CASES)
 def test_ddp_trains_as_one_process_does(ranks, group, case):
     _skip_missing(group)
-    records = [unpack(r) for r in ranks.run(_ddp_trains, group, DDP_CASES[case])]
+    results = [unpack(r) for r in ranks.run(_ddp_trains, group, DDP_CASES[case])]
+    records = [r[0] for r in results]
     what = f"DDP on the GPU over {group}, case {case}"
+    if group == "ring":
+        # the fused engine's two-shot at every size: the buckets read in place
+        assert all(launches > 0 for _, launches in results), results
     assert_identical_records(records, what)
     assert_close_records(records[0], reference(DDP_CASES[case], WORLD), what,
                          rtol=GPU_RTOL, atol=GPU_ATOL)

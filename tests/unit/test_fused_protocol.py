@@ -87,5 +87,18 @@ def test_channels_split_the_elements_in_aligned_parts_and_rounds(protocol, eleme
                     assert all(p[2] * element * per_rank <= max(chunk, 16) for p in plans)
 
 
+@pytest.mark.parametrize("protocol", [TWO_SHOT, ALL_GATHER, REDUCE_SCATTER, BROADCAST])
+def test_a_registered_launch_moves_each_part_at_once_between_its_barriers(protocol):
+    # the staged launch's parts, no rounds (nothing is staged), and on every
+    # channel, empty or not, three barriers for the all-reduce and two for the others
+    for count in (0, 1, 17, 123457):
+        for channels in (1, 3, 32):
+            staged = t.fused_plan(protocol, count, 3, channels, 256, 4)
+            plans = t.fused_plan(protocol, count, 3, channels, 256, 4, registered=True)
+            barriers = 3 if protocol == TWO_SHOT else 2
+            assert plans == [(first, elements, elements, 0, barriers)
+                             for first, elements, *_ in staged], (count, channels)
+
+
 def test_a_barrier_is_one_meeting_on_channel_0():
     assert t.fused_plan(BARRIER, 0, 2, 4, 256, 1) == [(0, 0, 0, 1, 1)] + [(0, 0, 0, 0, 0)] * 3

@@ -226,8 +226,8 @@ TABLE = [
 ]
 
 
-def _plan(kind, count, dtype, root, c, o, pick=(False, False), algo="ring"):
-    return _testing.select(kind, count, dtype, root, algo, c, o, pick)
+def _plan(kind, count, dtype, root, c, o, pick=(False, False), algo="ring", window=0):
+    return _testing.select(kind, count, dtype, root, algo, c, o, pick, window)
 
 
 def _expected(kind, count, dtype, e: Expect) -> dict:
@@ -277,6 +277,47 @@ def test_collectives_without_a_choice_keep_the_descriptor_s_algo():
             plan = _plan(kind, 0, "float32", 0 if kind == "scatter" else -1, c, DEFAULT,
                          algo=algo)
             assert (plan["algo"], plan["staged"]) == (algo, algo)
+
+
+# A fused engine's call on a tensor in registered buffer 1 (CollectiveDesc::window):
+# (kind, count, root, options) -> Expect.
+REGISTERED_TABLE = [
+    # all_reduce: in place (two-shot's blocks) above the one-shot window, or
+    # when two-shot (or ring) is forced; the one-shot sizes stage
+    (("all_reduce", FUSED_ONE_SHOT_MAX, -1, DEFAULT), Expect("direct")),
+    (("all_reduce", FUSED_ONE_SHOT_MAX + 1, -1, DEFAULT),
+     Expect("registered", "two_shot", "mapped")),
+    (("all_reduce", 4, -1, options(algo=TWO_SHOT)), Expect("registered", "two_shot", "mapped")),
+    (("all_reduce", 4, -1, options(algo=RING)), Expect("registered", "two_shot", "mapped")),
+    (("all_reduce", 64 * MiB, -1, options(algo=DIRECT)), Expect("direct")),
+    # the others at every size
+    (("all_gather", 1, -1, DEFAULT), Expect("registered", "ring", "mapped")),
+    (("reduce_scatter", 1, -1, DEFAULT), Expect("registered", "ring", "mapped")),
+    (("broadcast", 64 * MiB, 1, DEFAULT), Expect("registered", "ring", "mapped")),
+    # never the collectives that do not read in place
+    (("reduce", 64 * MiB, 0, DEFAULT), Expect("two_shot")),
+    (("gather", 4, 0, DEFAULT), Expect("ring")),
+    (("scatter", 4, 1, DEFAULT), Expect("ring")),
+    (("barrier", 0, -1, DEFAULT), Expect("ring")),
+]
+
+
+@pytest.mark.parametrize("row, expect", REGISTERED_TABLE,
+                         ids=[f"{r[0]}-{r[1]}-{i}" for i, (r, _) in enumerate(REGISTERED_TABLE)])
+def test_the_fused_plan_of_a_tensor_in_a_registered_buffer(row, expect):
+    kind, count, root, o = row
+    plan = _plan(kind, count, "uint8", root, FUSED, o, window=1)
+    assert plan == _expected(kind, count, "uint8", expect)
+    # without a window, the same call stages as the table above says
+    assert _plan(kind, count, "uint8", root, FUSED, o)["algo"] != "registered"
+
+
+def test_a_window_means_nothing_to_the_transport_engine():
+    # TransportEngine's registered memory is found at the arrival (pyddp.empty),
+    # not named on the descriptor
+    for c in (SHM, SHM_BOTH, NCCL):
+        assert _plan("all_gather", 4, "uint8", -1, c, DEFAULT, window=1) == \
+            _plan("all_gather", 4, "uint8", -1, c, DEFAULT)
 
 
 def test_a_name_that_is_not_a_collective_is_refused():

@@ -51,6 +51,9 @@ def test_describe_shows_what_the_user_called():
     # No op for a broadcast, and its root is named src.
     assert t.describe_desc({"kind": KIND["broadcast"], "count": 3, "root": 1}) == (
         "broadcast(count=3, dtype=float32, src=1, algo=ring)")
+    # A tensor in a registered buffer names it (none is not said).
+    assert t.describe_desc({"kind": KIND["all_gather"], "count": 3, "window": 2}) == (
+        "all_gather(count=3, dtype=float32, algo=ring, registered=buffer 2)")
 
 
 @pytest.mark.parametrize("field, a, b, pairwise, ranged", [
@@ -62,6 +65,7 @@ def test_describe_shows_what_the_user_called():
     ("root", 0, 2, "src=2", "src from 0 to 2"),
     ("seq", 4, 5, "collective #4", "sequence number from 4 to 5"),
     ("algo", pyddp.Algo.RING, pyddp.Algo.DIRECT, "algo=direct", "algo from ring to direct"),
+    ("window", 0, 2, "registered=buffer 2", "registered from none to buffer 2"),
 ])
 def test_every_field_mismatch_is_reported_both_ways(field, a, b, pairwise, ranged):
     base = {"kind": KIND["broadcast"], "root": 0}
