@@ -645,6 +645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         });
       }, py::arg("tensor"),
            "Ends the registration of `tensor` on every rank (a collective, with a barrier).")
+      .def_property_readonly("registers_buffers", &FusedEngine::registersBuffers,
+                             "Whether register_buffer serves this engine (not cuda_host).")
       .def_property_readonly("registered_launches", &FusedEngine::registeredLaunches,
                              "Collectives that read registered buffers in place so far.");
 

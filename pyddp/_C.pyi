@@ -135,6 +135,9 @@ class FusedEngine(Engine):
     def deregister_buffer(self, tensor: torch.Tensor) -> None:
         """Ends tensor's registration on every rank (a collective with a barrier)."""
     @property
+    def registers_buffers(self) -> bool:
+        """Whether register_buffer serves this engine (not cuda_host)."""
+    @property
     def registered_launches(self) -> int:
         """Collectives that read registered buffers in place so far."""
 

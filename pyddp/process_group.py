@@ -637,7 +637,8 @@ class ProcessGroup:
     def can_register(self, device: Union[str, torch.device]) -> bool:
         """Whether this group's collectives on ``device`` tensors read registered buffers in
         place (register_buffer): its fused collectives (backend "cuda_ipc", or "auto" on one
-        host, for CUDA tensors; "emulated" for CPU ones). Makes the group's engine for
+        host, for CUDA tensors, unless they run on the host, "cuda_host"; "emulated" for CPU
+        ones). Makes the group's engine for
         ``device`` if it has none yet, as a first collective there would: every rank asks
         alike."""
         device = torch.device(device)
@@ -646,7 +647,7 @@ class ProcessGroup:
         engine = self._engines.get(device.type)
         if engine is None:
             engine = self._make_engine(self._cuda_device(device))
-        return isinstance(engine, _C.FusedEngine)
+        return isinstance(engine, _C.FusedEngine) and engine.registers_buffers
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
         """Registers ``tensor`` with every rank of the group, as NCCL's window registration:

@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
+#include <string_view>
 
 #include "backend/fused_engine.h"
 #include "backend/layout.h"
@@ -13,6 +14,8 @@
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/nccl_engine.h"
+#include "common/blob.h"
+#include "common/cuda_device.h"
 #include "transport/cuda_ipc.h"
 #endif
 
@@ -40,19 +43,31 @@ struct Candidate {
 // every rank is on one host, else shm inside each host and gloo between
 // hosts. "auto" on a CUDA device: GPU memory mapped between processes when
 // every rank reaches every peer's memory (one host, peer access proven at
-// connect), else NCCL. "emulated": the GPU's fused collectives run on the
-// CPU (device/emulated_grid.h), for testing them without a GPU.
+// connect) and no GPU that ranks share runs their kernels in turns (no MPS:
+// kernelsTakeTurns); then the same programs on host threads over host
+// memory, the CUDA tensors staged through it ("cuda_host", one host: no
+// kernel waits for a peer); else NCCL. "emulated": the GPU's fused
+// collectives run on the CPU (device/emulated_grid.h), for testing them
+// without a GPU.
 constexpr Candidate kCandidates[] = {
     {"shm", c10::kCPU, EngineKind::Ring, "shm"},
     {"emulated", c10::kCPU, EngineKind::Fused, "emulated"},
     {"auto", c10::kCPU, EngineKind::Ring, "shm"},
     {"auto", c10::kCPU, EngineKind::Hierarchical, "shm+gloo"},
     {"cuda_ipc", c10::kCUDA, EngineKind::Fused, "cuda_ipc"},
+    {"cuda_ipc", c10::kCUDA, EngineKind::Fused, "cuda_host"},
+    {"cuda_host", c10::kCUDA, EngineKind::Fused, "cuda_host"},
     {"nccl", c10::kCUDA, EngineKind::Nccl, "nccl"},
     {"nccl_ring", c10::kCUDA, EngineKind::Ring, "nccl"},
     {"auto", c10::kCUDA, EngineKind::Fused, "cuda_ipc"},
+    {"auto", c10::kCUDA, EngineKind::Fused, "cuda_host"},
     {"auto", c10::kCUDA, EngineKind::Nccl, "nccl"},
 };
+
+bool waitsOnTheGpu(const Candidate& c) {
+  return c.engine == EngineKind::Fused && c.device == c10::kCUDA &&
+      std::string_view(c.transport) == "cuda_ipc";
+}
 
 bool served(const Candidate& c) {
   // shm and torch's gloo
@@ -101,14 +116,14 @@ c10::intrusive_ptr<Engine> make(const Candidate& c,
   if (c.engine == EngineKind::Hierarchical) {
     return c10::make_intrusive<HierarchicalEngine>(store, rank, size, options, hosts, gloo);
   }
-  if (c.engine == EngineKind::Fused && device.is_cpu()) {
+  if (c.engine == EngineKind::Fused && (device.is_cpu() || !waitsOnTheGpu(c))) {
     // The emulated grid's geometry: a few channels, and chunks of the
     // options' slots, so that tests reach many rounds with small tensors.
     const device::Geometry geometry{kEmulatedChannels,
                                     roundUp(options.slotBytes, device::kLineBytes)};
     return c10::make_intrusive<FusedEngine>(
         store, rank, size, options, device,
-        std::make_unique<EmulatedMemory>(rank, size, geometry));
+        std::make_unique<EmulatedMemory>(rank, size, geometry, c.transport));
   }
 #ifdef PYDDP_WITH_CUDA
   if (c.engine == EngineKind::Fused) {
@@ -124,6 +139,20 @@ c10::intrusive_ptr<Engine> make(const Candidate& c,
   return nullptr;  // unreachable: a CPU-only build serves no NCCL candidate
 #endif
 }
+
+#ifdef PYDDP_WITH_CUDA
+// This process's GPU `device`: its UUID and whether MPS serves it there.
+GpuPlace gpuPlaceOf(int device) {
+  cudaDeviceProp prop{};
+  checkCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  int mps = 0;
+  const bool said =
+      cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, device) == cudaSuccess;
+  cudaGetLastError();  // a driver that does not know the attribute
+  return GpuPlace{"GPU-" + toHex(prop.uuid.bytes, sizeof(prop.uuid.bytes)),
+                  said ? (mps != 0 ? 1 : 0) : -1};
+}
+#endif
 
 } // namespace
 
@@ -179,9 +208,19 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
     hosts = exchangeHosts(*store, rank, size, std::chrono::milliseconds(options.timeoutMs));
     choice.layout = hosts.describe();
   }
+  // Whether kernels that wait for each other could run at once.
+  std::string turns;
+#ifdef PYDDP_WITH_CUDA
+  if (std::any_of(candidates.begin(), candidates.end(),
+                  [](const Candidate* c) { return waitsOnTheGpu(*c); })) {
+    turns = kernelsTakeTurns(exchangeGpus(*store, rank, size, gpuPlaceOf(device.index()),
+                                          std::chrono::milliseconds(options.timeoutMs)));
+  }
+#endif
   for (const Candidate* c : candidates) {
     const bool last = c == candidates.back();
     std::string why = device.is_cpu() ? whyNotHere(*c, hosts, gloo) : "";
+    if (why.empty() && waitsOnTheGpu(*c)) why = turns;
     if (why.empty() && c->engine != EngineKind::Hierarchical && c->engine != EngineKind::Fused) {
       why = whyNotTransport(c->transport, args);
     }

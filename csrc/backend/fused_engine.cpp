@@ -23,6 +23,7 @@
 
 #ifdef PYDDP_WITH_CUDA
 #include "backend/device_executor.h"
+#include "common/cuda_device.h"
 #include "device/fused_kernels.h"
 #endif
 
@@ -61,6 +62,27 @@ const char* blockOf(const at::Tensor& t, int block, int blocks) {
   return static_cast<const char*>(t.data_ptr()) + t.nbytes() / blocks * block;
 }
 
+#ifdef PYDDP_WITH_CUDA
+// A launch of the channel programs on host threads ("cuda_host"), which a
+// host function of the engine's stream runs: it owns its arguments.
+struct HostLaunch {
+  device::FusedArgs args;
+  DataType dtype;
+  RedOp op;
+};
+
+void CUDART_CB runHostLaunch(void* launch) {
+  const std::unique_ptr<HostLaunch> l(static_cast<HostLaunch*>(launch));
+  try {
+    device::runEmulated(l->args, l->dtype, l->op);
+  } catch (const std::exception&) {
+    // No thread to run a channel on: this rank gives up, and its host
+    // reports the collective aborted.
+    device::giveUp(l->args, device::encodeError(device::kAborted, l->args.rank));
+  }
+}
+#endif
+
 std::function<void()> finishOf(Results& results) {
   if (results.finish) return std::move(results.finish);
   return [] {};
@@ -73,7 +95,8 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                          std::unique_ptr<FusedMemory> memory)
     : Engine(rank, size, device, memory->name(), store),
       options_(options),
-      memory_(std::move(memory)) {
+      memory_(std::move(memory)),
+      programsOnHost_(device.is_cuda() && memory_->onHost()) {
   options_.validate();
   PYDDP_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, "rank ", rank,
                     " is not in [0, world_size=", size, ")");
@@ -132,6 +155,14 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
 
 FusedEngine::~FusedEngine() {
   shutDown(Teardown::Destroyed);
+#ifdef PYDDP_WITH_CUDA
+  if (!hostStaging_.empty()) {
+    // An aborted launch ends within a poll of the abort word.
+    QuietDeviceGuard scope(device_.index());
+    cudaStreamSynchronize(deviceExec_->stream());
+    for (char* buffer : hostStaging_) cudaFreeHost(buffer);
+  }
+#endif
 }
 
 const Executor& FusedEngine::executor() const {
@@ -155,8 +186,7 @@ void FusedEngine::shutDown(Teardown how) {
       memory_->control().publish(desc);
       advance(a, 1);
       try {
-        device::launchFused(a, desc.dtype, desc.op, kThreadsPerChannel, deviceExec_->stream(),
-                            rank_);
+        enqueue(a, desc, at::Tensor(), at::Tensor());
         cudaStreamSynchronize(deviceExec_->stream());
       } catch (const std::exception&) {
         // A launch that fails leaves the abort path to end what is left.
@@ -226,6 +256,8 @@ void FusedEngine::registerBuffer(const at::Tensor& tensor) {
   // A rank whose tensor is refused says so to its peers, so that every
   // rank fails alike and counts the registration.
   const std::string exportFailure = failureOf([&] {
+    PYDDP_CHECK_VALUE(registersBuffers(), "the ", transport_, " transport stages ", device_,
+                      " tensors through host memory and reads no registered buffer in place");
     PYDDP_CHECK_VALUE(tensor.defined() && tensor.device() == device_ && tensor.is_contiguous() &&
                           tensor.nbytes() > 0,
                       "register_buffer takes a contiguous, non-empty tensor on ", device_,
@@ -432,7 +464,7 @@ WorkPtr FusedEngine::launch(const Planned& planned, const at::Tensor& input,
       return;
     }
 #ifdef PYDDP_WITH_CUDA
-    device::launchFused(a, d.dtype, d.op, kThreadsPerChannel, deviceExec_->stream(), rank_);
+    enqueue(a, d, input, output);
 #endif
   };
   for (const at::Tensor& t : {input, output}) {
@@ -443,6 +475,56 @@ WorkPtr FusedEngine::launch(const Planned& planned, const at::Tensor& input,
                                       call.timeout},
                            call);
 }
+
+#ifdef PYDDP_WITH_CUDA
+void FusedEngine::enqueue(const device::FusedArgs& a, const CollectiveDesc& d,
+                          const at::Tensor& input, const at::Tensor& output) {
+  if (!programsOnHost_) {
+    device::launchFused(a, d.dtype, d.op, kThreadsPerChannel, deviceExec_->stream(), rank_);
+    return;
+  }
+  // Stream order: the tensors' bytes into host staging, the programs on host
+  // threads (a host function, which holds the stream until they end), the
+  // result back. Launches run one after another on the stream, so each
+  // reuses the staging that the one before it let go.
+  const cudaStream_t stream = deviceExec_->stream();
+  const bool inPlace = input.defined() && output.defined() && input.data_ptr() == output.data_ptr();
+  const size_t inBytes = input.defined() ? roundUp(input.nbytes(), device::kLineBytes) : 0;
+  const size_t outBytes = output.defined() && !inPlace ? output.nbytes() : 0;
+  char* staging = hostStaging(inBytes + outBytes);
+  auto launch = std::make_unique<HostLaunch>(HostLaunch{a, d.dtype, d.op});
+  if (input.defined()) {
+    checkCuda(cudaMemcpyAsync(staging, input.data_ptr(), input.nbytes(), cudaMemcpyDeviceToHost,
+                              stream),
+              "cuda_host: staging a collective's input");
+    launch->args.input = staging;
+  }
+  char* result = inPlace ? staging : staging + inBytes;
+  if (output.defined()) launch->args.output = result;
+  checkCuda(cudaLaunchHostFunc(stream, runHostLaunch, launch.get()),
+            "cuda_host: enqueuing the channel programs");
+  launch.release();  // the host function's now
+  if (output.defined()) {
+    checkCuda(cudaMemcpyAsync(output.data_ptr(), result, output.nbytes(), cudaMemcpyHostToDevice,
+                              stream),
+              "cuda_host: copying a collective's result back");
+  }
+}
+
+char* FusedEngine::hostStaging(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  if (!hostStaging_.empty() && hostStagingBytes_ >= bytes) return hostStaging_.back();
+  // Launches queued before this one may still use the smaller buffers: they
+  // stay until the engine is destroyed (each at most half the next).
+  const size_t grown = std::max(bytes, 2 * hostStagingBytes_);
+  void* fresh = nullptr;
+  checkCuda(cudaHostAlloc(&fresh, grown, cudaHostAllocDefault),
+            "cuda_host: cudaHostAlloc of the staging buffer");
+  hostStaging_.push_back(static_cast<char*>(fresh));
+  hostStagingBytes_ = grown;
+  return hostStaging_.back();
+}
+#endif
 
 FusedEngine::Planned FusedEngine::plan(const CollectiveDesc& desc, device::Protocol protocol,
                                        const at::Tensor& read, bool writable) const {

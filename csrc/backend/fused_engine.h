@@ -7,7 +7,12 @@
 // device's error word when the collective's done event fires. On the
 // emulated grid (device/emulated_grid.h: the CPU test suite's), a launch
 // is one CPU thread per channel, run by the CPU executor, whose thread
-// watches the peers' processes meanwhile as the GPU's monitor does.
+// watches the peers' processes meanwhile as the GPU's monitor does. Where
+// ranks' kernels take turns on a shared GPU (no MPS), the registry takes
+// the emulated grid's memory for CUDA tensors ("cuda_host"): a launch
+// copies them to host staging on the engine's stream and runs the programs
+// on host threads from a host function there, so no kernel waits for a
+// peer.
 //
 // The engine keeps, per channel, the counts of barriers crossed and rounds
 // staged that every launch starts from (layout.h): the programs advance
@@ -90,6 +95,10 @@ class FusedEngine final : public Engine {
   // collective that waits, through a barrier of the group, until no rank
   // reads it, then lets the peers' mappings and the tensor go.
   void deregisterBuffer(const at::Tensor& tensor);
+  // Whether registerBuffer() serves this engine: its programs read device
+  // memory where it lies (not "cuda_host", which stages CUDA tensors
+  // through host memory).
+  bool registersBuffers() const { return !programsOnHost_; }
   // Launches that read registered buffers in place so far, for tests.
   uint64_t registeredLaunches() const {
     return registeredLaunches_.load(std::memory_order_relaxed);
@@ -156,6 +165,17 @@ class FusedEngine final : public Engine {
   device::FusedArgs argsFor(const CollectiveDesc& desc, device::Protocol protocol,
                             const void* input, void* output, size_t count,
                             std::chrono::milliseconds timeout);
+#ifdef PYDDP_WITH_CUDA
+  // Enqueues launch `a` (of collective `d`, on `input` and `output`, which
+  // may be undefined) on the engine's stream: the kernel, or with the
+  // programs on the host ("cuda_host") the copies through host staging
+  // around a host function that runs them. The GPU never waits for a peer
+  // there, so ranks whose kernels take turns on a GPU still meet at once.
+  void enqueue(const device::FusedArgs& a, const CollectiveDesc& d, const at::Tensor& input,
+               const at::Tensor& output);
+  // Pinned host memory of at least `bytes` for the next host launch.
+  char* hostStaging(size_t bytes);
+#endif
   // Advances the per-channel counts past launch `a`.
   void advance(const device::FusedArgs& a, size_t elementBytes);
   // Runs `a` on the emulated grid to its end, watching the peers'
@@ -166,6 +186,14 @@ class FusedEngine final : public Engine {
 
   const GroupOptions options_;
   std::unique_ptr<FusedMemory> memory_;
+  // CUDA tensors whose programs run on host threads ("cuda_host").
+  const bool programsOnHost_;
+#ifdef PYDDP_WITH_CUDA
+  // Pinned staging of host launches, the newest (largest) last; used by one
+  // launch at a time, in stream order, and freed with the engine.
+  std::vector<char*> hostStaging_;
+  size_t hostStagingBytes_ = 0;
+#endif
   // memory_'s control plane's messages: the collectives' lane (link_) and
   // the user's, which p2p_ drives. Made once memory_ is connected.
   std::unique_ptr<shm::MessageLanes> lanes_;

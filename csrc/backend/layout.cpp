@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "backend/bootstrap.h"
+#include "common/blob.h"
 #include "common/check.h"
 #include "common/host.h"
 
@@ -47,6 +48,46 @@ HostMap exchangeHosts(c10d::Store& store, int rank, int size,
     map.ranksOn[h].push_back(r);
   }
   return map;
+}
+
+std::string kernelsTakeTurns(const std::vector<GpuPlace>& places) {
+  for (size_t first = 0; first < places.size(); ++first) {
+    std::vector<size_t> sharing{first};
+    for (size_t r = first + 1; r < places.size(); ++r) {
+      if (places[r].uuid == places[first].uuid) sharing.push_back(r);
+    }
+    if (sharing.size() < 2) continue;
+    std::vector<std::string> unserved;
+    for (const size_t r : sharing) {
+      if (places[r].mps != 1) {
+        unserved.push_back(std::to_string(r) + (places[r].mps == -1 ? " (the driver does not "
+                                                                      "say)" : ""));
+      }
+    }
+    if (unserved.empty()) continue;
+    std::ostringstream s;
+    s << "ranks ";
+    for (size_t i = 0; i < sharing.size(); ++i) s << (i ? "," : "") << sharing[i];
+    s << " share GPU " << places[first].uuid << " and MPS does not serve rank"
+      << (unserved.size() > 1 ? "s " : " ") << c10::Join(", ", unserved)
+      << ": kernels of different processes take turns on a GPU without MPS, so a kernel "
+         "that waits for a peer's spins until the GPU switches processes";
+    return s.str();
+  }
+  return "";
+}
+
+std::vector<GpuPlace> exchangeGpus(c10d::Store& store, int rank, int size, const GpuPlace& mine,
+                                   std::chrono::milliseconds timeout) {
+  const auto blobs = bootstrap::allGather(
+      store, "gpus", BlobWriter().put("uuid", mine.uuid).put("mps", mine.mps).str(), rank, size,
+      timeout);
+  std::vector<GpuPlace> places;
+  for (int r = 0; r < size; ++r) {
+    const BlobReader blob(blobs[r], "rank " + std::to_string(r) + "'s GPU");
+    places.push_back(GpuPlace{blob.str("uuid"), blob.get<int>("mps")});
+  }
+  return places;
 }
 
 } // namespace pyddp

@@ -36,4 +36,23 @@ struct HostMap {
 HostMap exchangeHosts(c10d::Store& store, int rank, int size,
                       std::chrono::milliseconds timeout);
 
+// Where a rank's CUDA tensors live: its GPU (the device's UUID, unique
+// across hosts) and whether NVIDIA's MPS serves the process there (1, 0;
+// -1 where the driver does not say, taken as not served).
+struct GpuPlace {
+  std::string uuid;
+  int mps = -1;
+};
+
+// Why kernels of ranks that share a GPU do not run at the same time there:
+// "" when no GPU serves two ranks, or MPS serves every rank on each that
+// does. Without MPS the kernels of different processes take turns on a GPU
+// (time slices), so a kernel that waits for a peer's kernel spins until
+// the GPU switches processes.
+std::string kernelsTakeTurns(const std::vector<GpuPlace>& places);
+
+// All-gathers every rank's GpuPlace (`mine`) through `store` (under "gpus/").
+std::vector<GpuPlace> exchangeGpus(c10d::Store& store, int rank, int size,
+                                   const GpuPlace& mine, std::chrono::milliseconds timeout);
+
 } // namespace pyddp

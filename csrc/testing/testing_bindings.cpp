@@ -15,6 +15,7 @@
 
 #include "algorithms/schedule.h"
 #include "algorithms/select.h"
+#include "backend/layout.h"
 #include "backend/cma_chooser.h"
 #include "backend/torch_backend.h"
 #include "backend/torch_types.h"
@@ -391,6 +392,12 @@ void bindTesting(py::module_& m) {
   // The fused collectives' wait decision, exactly as their channel programs
   // make it: None to keep waiting, else (error code, rank to blame), code 0
   // for satisfied.
+  // backend/layout.h's kernelsTakeTurns over (uuid, mps) per rank.
+  t.def("kernels_take_turns", [](const std::vector<std::pair<std::string, int>>& places) {
+    std::vector<GpuPlace> p;
+    for (const auto& [uuid, mps] : places) p.push_back(GpuPlace{uuid, mps});
+    return kernelsTakeTurns(p);
+  });
   t.def("fused_wait_verdict", [](uint64_t flag, uint64_t target, uint64_t peerFailed,
                                  int64_t abortWord, uint64_t elapsedNs, uint64_t timeoutNs,
                                  int32_t peer) -> std::optional<std::pair<int, int>> {

@@ -39,6 +39,7 @@ class CudaIpcMemory final : public FusedMemory {
   CudaIpcMemory& operator=(const CudaIpcMemory&) = delete;
 
   const char* name() const override { return "cuda_ipc"; }
+  bool onHost() const override { return false; }
   std::string reserve() override { return control_.reserve(); }
   std::string setup() override;
   void reclaim(const std::string& reservation) override {

@@ -17,12 +17,14 @@ BlobReader readerOf(const std::string& blob, int peer) {
 
 } // namespace
 
-EmulatedMemory::EmulatedMemory(int rank, int worldSize, const device::Geometry& geometry)
+EmulatedMemory::EmulatedMemory(int rank, int worldSize, const device::Geometry& geometry,
+                               const char* name)
     : FusedMemory(rank, worldSize, geometry, geometry.bytes()),
       rank_(rank),
       worldSize_(worldSize),
+      name_(name),
       words_(std::make_unique<Words>()) {
-  PYDDP_CHECK_VALUE(worldSize <= device::kMaxRanks, "the emulated grid serves at most ",
+  PYDDP_CHECK_VALUE(worldSize <= device::kMaxRanks, "the ", name_, " transport serves at most ",
                     device::kMaxRanks, " ranks, got world_size ", worldSize);
 }
 
@@ -55,7 +57,7 @@ void EmulatedMemory::connect(const std::vector<std::string>& blobs) {
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     const std::string why = whyNotConnect(peer, blobs[peer]);
-    PYDDP_CHECK(why.empty(), "rank ", rank_, ": the emulated grid cannot reach ", why);
+    PYDDP_CHECK(why.empty(), "rank ", rank_, ": ", name_, " cannot reach ", why);
   }
   control_.connect(readers);
   for (int peer = 0; peer < worldSize_; ++peer) {

@@ -6,6 +6,10 @@
 // over memory shared as on a GPU, and the CPU test suite exercises their
 // barriers, digests, rounds and failures.
 //
+// The same memory serves CUDA tensors whose GPU runs no kernel that waits
+// for a peer ("cuda_host": backend/fused_engine.h stages them through host
+// memory and runs the programs on host threads).
+//
 // Registered tensors are CPU tensors in registered memory (pyddp.empty:
 // transport/registered.h), which peers map read-only as the shm transport
 // does, as a GPU's peers open a registered tensor's IPC handle.
@@ -22,9 +26,12 @@ namespace pyddp {
 
 class EmulatedMemory final : public FusedMemory {
  public:
-  EmulatedMemory(int rank, int worldSize, const device::Geometry& geometry);
+  // `name`: the transport's, for users and messages.
+  EmulatedMemory(int rank, int worldSize, const device::Geometry& geometry,
+                 const char* name = "emulated");
 
-  const char* name() const override { return "emulated"; }
+  const char* name() const override { return name_; }
+  bool onHost() const override { return true; }
   std::string reserve() override { return control_.reserve(); }
   std::string setup() override;
   void reclaim(const std::string& reservation) override {
@@ -52,6 +59,7 @@ class EmulatedMemory final : public FusedMemory {
 
   const int rank_;
   const int worldSize_;
+  const char* const name_;
   std::unique_ptr<Words> words_;
 };
 

@@ -24,6 +24,9 @@ namespace pyddp {
 class FusedMemory : public Connectable {
  public:
   const device::Geometry& geometry() const { return geometry_; }
+  // The buffers are host memory, which host threads run the programs over
+  // (the emulated grid); false: device memory, which kernels do.
+  virtual bool onHost() const = 0;
   // Rank `rank`'s buffer as this rank's device addresses it (this rank's
   // own writable, its peers' read-only).
   virtual char* base(int rank) const = 0;

@@ -459,6 +459,46 @@ class PyddpIpcTwoShotPeer(PyddpIpcPeer):
     _algo = "two_shot"
 
 
+class PyddpIpcRegisteredPeer(PyddpIpcPeer):
+    """pyddp's fused collectives over CUDA IPC on buffers registered with the group
+    (ProcessGroup.register_buffer), which the peers read where they lie; the protocol chosen
+    by size (all_reduce stages up to its one-shot sizes, as it would).
+
+    A point's bind registers the buffer that peers read (one at a time: the previous one's
+    registration ends first; both are collectives, which every rank makes in the same
+    order), so that the timed calls only launch."""
+
+    name = "pyddp_ipc_registered"
+
+    def __init__(self, group: "pyddp.ProcessGroup", device: torch.device) -> None:
+        super().__init__(group, device)
+        self.detail += "; buffers registered with the group"
+        self._registered: Optional[torch.Tensor] = None
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        if self._registered is not None:
+            self._group.deregister_buffer(self._registered)
+            self._registered = None
+        self._group.register_buffer(tensor)
+        self._registered = tensor
+
+    def all_reduce(self, tensor: torch.Tensor, redop: str) -> Run:
+        self._register(tensor)
+        return super().all_reduce(tensor, redop)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Run:
+        self._register(input)
+        return super().all_gather(output, input)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Run:
+        self._register(tensor)
+        return super().broadcast(tensor, root)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, redop: str) -> Run:
+        self._register(input)
+        return super().reduce_scatter(output, input, redop)
+
+
 class PyddpNcclPeer(_PyddpPeer):
     """NCCL's collectives through pyddp's NcclEngine."""
 
@@ -923,7 +963,8 @@ class SymmMemTwoShotPeer(_SymmMemPeer):
 PEERS: dict[str, type] = {
     cls.name: cls for cls in (
         PyddpShmPeer, PyddpRegisteredPeer, GlooPeer, MpiPeer, DeepSpeedShmPeer, LimitPeer,
-        TorchNcclPeer, PyddpIpcPeer, PyddpIpcOneShotPeer, PyddpIpcTwoShotPeer, PyddpNcclPeer,
+        TorchNcclPeer, PyddpIpcPeer, PyddpIpcOneShotPeer, PyddpIpcTwoShotPeer,
+        PyddpIpcRegisteredPeer, PyddpNcclPeer,
         PyddpNcclRingPeer, GlooCudaPeer, SymmMemOneShotPeer, SymmMemTwoShotPeer, LimitCudaPeer)
 }
 """Every peer the tool knows, CPU ones first, in table order."""

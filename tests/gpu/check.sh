@@ -94,9 +94,10 @@ MIN_STEP_SECONDS=10
 # The main job's final accuracy (%) that the train step asks for.
 MIN_ACCURACY=90
 # The GPU tests of the pass without MPS: those whose ranks wait for each other on the GPU.
-NOMPS_TESTS="bitwise_identical or stream_semantics or barrier_meets"
+NOMPS_TESTS="bitwise_identical or stream_semantics or barrier_meets or kernels_take_turns"
 MPS_PATTERN='(^|/)nvidia-cuda-mps-control( |$)'
-SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc,pyddp_ipc_two_shot,pyddp_ipc_one_shot,pyddp_nccl,pyddp_nccl_ring
+SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc,pyddp_ipc_registered,pyddp_ipc_two_shot,pyddp_ipc_one_shot
+SWEEP_PEERS+=,pyddp_nccl,pyddp_nccl_ring
 SWEEP_PEERS+=,symm_mem_one_shot,symm_mem_two_shot,limit_cuda
 
 # --- pieces that read logs (pure: tests/tools/test_gpu_check.py runs them) ----------------------
@@ -593,7 +594,10 @@ main() {
         fi
         if run_step build 100 judge_build env PYDDP_BUILD_CUDA=1 \
                 MAX_JOBS="${MAX_JOBS:-$(nproc)}" python setup.py build_ext --inplace; then
-            run_step tests 150 judge_pytest python -m pytest -m cuda tests -k "not torch" -v -rs \
+            # PYDDP_CHECK_MPS: whether the ranks' kernels run at once, for the test of
+            # which transport "auto" takes
+            run_step tests 150 judge_pytest env ${mps_started:+PYDDP_CHECK_MPS=on} \
+                python -m pytest -m cuda tests -k "not torch" -v -rs \
                 -p no:cacheprovider "${timeout_flag[@]}" --junitxml "$work/tests.xml"
             run_step torch 60 judge_torch_tests python -m pytest -m cuda tests -k torch -v -rs \
                 -p no:cacheprovider "${timeout_flag[@]}" --junitxml "$work/torch.xml"
@@ -606,7 +610,8 @@ main() {
                 --steps 4 --warmup 2 --timeout 60
             if [[ -n $mps_started ]]; then
                 if stop_mps; then
-                    run_step nomps-tests 45 judge_pytest python -m pytest -m cuda tests \
+                    run_step nomps-tests 45 judge_pytest env PYDDP_CHECK_MPS=off \
+                        python -m pytest -m cuda tests \
                         -k "$NOMPS_TESTS" -v -rs -p no:cacheprovider "${nomps_timeout_flag[@]}" \
                         --junitxml "$work/nomps-tests.xml"
                     run_step nomps-sweep 40 judge_nomps_sweep python -m pyddp.bench \

@@ -9,6 +9,8 @@ unchanged with ``ctx.state["device"]`` set:
   cuda_ipc cannot connect);
 - ``ring``, ``direct``, ``two_shot``: cuda_ipc with the algorithm forced and
   the CPU suite's small slots and staging buffers (many pieces and rounds);
+- ``cuda_host``: the fused programs on host threads, the tensors staged
+  through host memory (chosen where ranks share a GPU without MPS);
 - ``nccl``: NCCL's own collectives through pyddp's NcclEngine, and
   ``nccl_ring``: pyddp's ring over NCCL send/recv with the small slots (two
   ranks on one GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, else
@@ -82,6 +84,9 @@ def _setup(ctx: RankContext) -> None:
                                  direct_max_bytes=256)
     ctx.groups["two_shot"] = group("two_shot", "cuda_ipc", algo=pyddp.Algo.TWO_SHOT,
                                    direct_max_bytes=0, two_shot_max_bytes=320)
+    # the fused programs on host threads, CUDA tensors staged through host
+    # memory (what "auto" takes where ranks share a GPU without MPS)
+    ctx.groups["cuda_host"] = group("cuda_host", "cuda_host", slot_bytes=256)
     if not _nccl_reason():
         ctx.groups["nccl"] = group("nccl", "nccl")
         ctx.groups["nccl_ring"] = group("nccl_ring", "nccl_ring", slot_bytes=256, num_slots=2)
@@ -96,7 +101,7 @@ def ranks():
     pool.close()
 
 
-GROUPS = ["auto", "ring", "direct", "two_shot", "nccl", "nccl_ring"]
+GROUPS = ["auto", "ring", "direct", "two_shot", "cuda_host", "nccl", "nccl_ring"]
 
 
 def _skip_missing(group: str) -> None:
@@ -110,30 +115,30 @@ def test_all_reduce_every_dtype_and_op(ranks, group):
     ranks.run(_all_reduce_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "cuda_host", "nccl", "nccl_ring"])
 def test_reduce_scatter_every_dtype_and_op(ranks, group):
     _skip_missing(group)
     ranks.run(_reduce_scatter_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "cuda_host", "nccl", "nccl_ring"])
 def test_all_gather_every_dtype(ranks, group):
     _skip_missing(group)
     ranks.run(_all_gather_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "nccl", "nccl_ring"])
+@pytest.mark.parametrize("group", ["auto", "ring", "cuda_host", "nccl", "nccl_ring"])
 def test_broadcast_every_dtype_and_root(ranks, group):
     _skip_missing(group)
     ranks.run(_broadcast_cases, group, timeout=600)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct", "two_shot"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "two_shot", "cuda_host"])
 def test_half_types_accumulate_in_fp32(ranks, group):
     ranks.run(_half_types_accumulate_in_fp32, group)
 
 
-@pytest.mark.parametrize("group", ["auto", "ring", "direct", "two_shot"])
+@pytest.mark.parametrize("group", ["auto", "ring", "direct", "two_shot", "cuda_host"])
 def test_results_are_bitwise_identical_across_ranks(ranks, group):
     digests = ranks.run(_random_floats, group)
     assert all(d == digests[0] for d in digests)
@@ -204,6 +209,27 @@ def _auto_serves_both_devices(ctx: RankContext) -> str:
 def test_auto_group_serves_cpu_and_cuda_tensors(ranks):
     # Two processes on one host: cuda_ipc connects.
     assert ranks.run(_auto_serves_both_devices) == [{"cpu": "shm", "cuda": "cuda_ipc"}] * WORLD
+
+
+def _auto_transport(ctx: RankContext) -> str:
+    dev, n = ctx.state["device"], ctx.world_size
+    pg = pyddp.new_group("auto", store=dist.FileStore(ctx.store_path("auto_turns"), n),
+                         rank=ctx.rank, world_size=n, timeout=datetime.timedelta(seconds=60))
+    t = torch.full((1000,), float(ctx.rank + 1), device=dev)
+    pg.all_reduce(t)
+    assert torch.all(t == n * (n + 1) / 2).item()
+    transport = pg.transports()["cuda"]
+    pyddp.destroy_process_group(pg)
+    return transport
+
+
+def test_auto_runs_the_programs_on_the_host_where_kernels_take_turns(ranks):
+    # tests/gpu/check.sh says whether MPS serves the ranks (PYDDP_CHECK_MPS)
+    mps = os.environ.get("PYDDP_CHECK_MPS")
+    if mps is None or not _shares_gpu():
+        pytest.skip("needs ranks that share a GPU, with PYDDP_CHECK_MPS=on or off")
+    expected = "cuda_ipc" if mps == "on" else "cuda_host"
+    assert ranks.run(_auto_transport) == [expected] * WORLD
 
 
 def _barrier_meets_on_both_engines(ctx: RankContext) -> tuple:

@@ -500,9 +500,10 @@ def test_every_op_is_right_for_every_backend_that_runs(cpu_run):
         torch.cuda.device_count() >= 2
         or tuple(torch.cuda.nccl.version()[:2]) >= peers.NCCL_MULTI_RANK_GPU_VERSION)
     # pyddp's cuda_ipc and NCCL ring transports have no messages between pairs of ranks.
-    messageless = ("pyddp_ipc", "pyddp_ipc_one_shot", "pyddp_ipc_two_shot", "pyddp_nccl_ring")
-    for gpu in ("nccl", "pyddp_ipc", "pyddp_ipc_one_shot", "pyddp_ipc_two_shot", "pyddp_nccl",
-                "pyddp_nccl_ring"):
+    messageless = ("pyddp_ipc", "pyddp_ipc_one_shot", "pyddp_ipc_two_shot",
+                   "pyddp_ipc_registered", "pyddp_nccl_ring")
+    for gpu in ("nccl", "pyddp_ipc", "pyddp_ipc_one_shot", "pyddp_ipc_two_shot",
+                "pyddp_ipc_registered", "pyddp_nccl", "pyddp_nccl_ring"):
         nccl = gpu in ("nccl", "pyddp_nccl", "pyddp_nccl_ring")
         if not torch.cuda.is_available():
             assert skips[(gpu, "*")] == "no CUDA device"
