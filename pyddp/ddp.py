@@ -275,7 +275,6 @@ class DistributedDataParallel(nn.Module):
         if applied:
             self._committed += 1
         self._use_group(new)
-        self.reducer.register_buckets()
         self._joins = 0
         return applied
 
@@ -296,8 +295,6 @@ class DistributedDataParallel(nn.Module):
         self._use_group(self._group.admit(joins))
         self._check_same_model_on_every_rank()
         self._sync_state()
-        # where a joiner's constructor registers its buckets
-        self.reducer.register_buckets()
         return True
 
     def _broadcast_from_rank0(self, tensors: List[torch.Tensor]) -> None:

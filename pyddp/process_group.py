@@ -53,11 +53,13 @@ _OP_OF_MEMBER = {id(member): red for member, red in _SUPPORTED_OPS.items()}
 HAS_CUDA: bool = _C.has_cuda
 # The engines' src of a receive from any rank (recv(src=None)).
 _ANY_SOURCE = -1
-# "shm": CPU tensors. "cuda_ipc", "nccl" (NCCL's own collectives) and
-# "nccl_ring" (pyddp's ring over NCCL send/recv): CUDA tensors on the current
-# device. "auto": shm for CPU tensors and, from the first CUDA collective on,
-# cuda_ipc when every rank shares this host and peer access works, NCCL
-# otherwise. (The candidates are a table in csrc/backend/engine_registry.cpp.)
+# "shm": CPU tensors. "cuda_ipc", "cuda_host" (the fused programs on host
+# threads), "nccl" (NCCL's own collectives) and "nccl_ring" (pyddp's ring over
+# NCCL send/recv): CUDA tensors on the current device. "auto": shm for CPU
+# tensors and, from the first CUDA collective on, cuda_ipc when every rank
+# shares this host, peer access works and no shared GPU runs the ranks'
+# kernels in turns (no MPS), cuda_host on one host otherwise, NCCL across
+# hosts. (The candidates are a table in csrc/backend/engine_registry.cpp.)
 BACKENDS = tuple(_C.backend_names())
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -656,8 +658,8 @@ class ProcessGroup:
         rank maps every peer's, so that an all_reduce, all_gather, reduce_scatter or
         broadcast whose tensor that peers read lies in it on every rank (anywhere in it:
         an all_gather's input may be its rank's block of a registered output) reads the
-        peers' bytes where they lie instead of staging them (an all_reduce from
-        kFusedOneShotMaxBytes per rank on: csrc/algorithms/select.h). A rank whose tensor
+        peers' bytes where they lie instead of staging them (an all_reduce above
+        kFusedOneShotMaxBytes per rank: csrc/algorithms/select.h). A rank whose tensor
         lies in a registered buffer while a peer's does not (or lies in another) fails
         that collective on every rank, naming the field "registered".
 
@@ -733,11 +735,13 @@ def init_process_group(
 ) -> ProcessGroup:
     """Joins (and returns) the default process group.
 
-    ``backend``: "shm" (CPU tensors), "cuda_ipc", "nccl" or "nccl_ring" (CUDA
-    tensors on the current device; nccl_ring is pyddp's ring over NCCL
-    send/recv), or "auto" (shm for CPU tensors; for CUDA tensors,
-    cuda_ipc when every rank can map every peer's memory, else NCCL; chosen
-    at the first CUDA collective, the reason logged at PYDDP_DEBUG=INFO).
+    ``backend``: "shm" (CPU tensors), "cuda_ipc", "cuda_host", "nccl" or
+    "nccl_ring" (CUDA tensors on the current device; cuda_host runs the fused
+    programs on host threads, nccl_ring is pyddp's ring over NCCL send/recv),
+    or "auto" (shm for CPU tensors; for CUDA tensors, cuda_ipc when every rank
+    can map every peer's memory and the ranks' kernels run at once, cuda_host
+    on one host otherwise, else NCCL; chosen at the first CUDA collective, the
+    reason logged at PYDDP_DEBUG=INFO).
     ``init_method`` is env:// (the default), tcp://host:port or file:///path;
     or pass a ready ``store`` with ``rank`` and ``world_size``. ``options``
     overrides the PYDDP_* settings of this group. Every wait of every

@@ -24,8 +24,9 @@ backward is:
 
 With a group whose collectives read registered buffers where they lie (pyddp's
 fused collectives: ``ProcessGroup.can_register``), every bucket's flat buffer
-is registered with the group (``register_buckets``), so a bucket's all-reduce
-reads the peers' buffers instead of staging them.
+is registered with the group at the first synchronised backward after the
+buckets or the group change (the same point on every rank), so a bucket's
+all-reduce reads the peers' buffers instead of staging them.
 
 Large gradients are reduced in place because copying them into the bucket and
 back costs as much as the all-reduces themselves when ranks share a CPU's
@@ -170,7 +171,12 @@ class Reducer:
         self._as_view = gradient_as_bucket_view
         self._bucket_indices = [tuple(indices) for indices in buckets]
         self._build_buckets(pack_all=gradient_as_bucket_view)
-        self.register_buckets()
+        # The bucket buffers registered with the group (register_buffer), and
+        # whether the current buckets and group still wait for it: done at the
+        # next synchronised backward's prepare_for_backward, the same point on
+        # every rank (a joiner's too, whose buckets are made as the others').
+        self._registered: List[torch.Tensor] = []
+        self._register_pending = True
         self._hook: Optional[CommHook] = None
         self._hook_state: Any = None
         # Parameters whose gradient was defined in a hook since the last
@@ -206,30 +212,33 @@ class Reducer:
             for slot, index in enumerate(bucket.indices):
                 self._where[index] = (b, slot)
 
-    def _registers(self) -> bool:
-        """Whether the group reads registered buffers in place (ProcessGroup.can_register):
-        pyddp's fused collectives. Alike on every rank."""
-        return isinstance(self._group, ProcessGroup) and \
-            self._group.can_register(self._params[0].device)
-
-    def register_buckets(self) -> None:
+    def _register_buckets(self) -> None:
         """Registers every bucket's flat buffer with the group where it reads registered
-        buffers in place, so that the buckets' all-reduces read the peers' buffers where they
-        lie. Every rank has the same buckets, so the registrations pair up; a registration
-        waits for every rank, so each calls this at the same point (at construction, and
-        after set_group once the group's state is in step)."""
-        if not self._registers():
+        buffers in place (ProcessGroup.can_register: pyddp's fused collectives), so that the
+        buckets' all-reduces read the peers' buffers where they lie. Every rank has the same
+        buckets, so the registrations pair up. A registration the group refuses (memory
+        without IPC handles, say) fails on every rank alike: the buckets from there on stage,
+        as they would without it."""
+        self._register_pending = False
+        group = self._group
+        if not isinstance(group, ProcessGroup) or not group.can_register(
+                self._params[0].device):
             return
         for bucket in self._buckets:
-            if bucket.buffer.numel():
-                self._group.register_buffer(bucket.buffer)
+            if not bucket.buffer.numel():
+                continue
+            try:
+                group.register_buffer(bucket.buffer)
+            except dist.DistBackendError as error:
+                logger.warning("%s", self._error(f"gradient buckets stay unregistered, and their "
+                                                 f"all-reduces stage: {error}"))
+                return
+            self._registered.append(bucket.buffer)
 
     def _deregister_buckets(self) -> None:
-        if not self._registers():
-            return
-        for bucket in self._buckets:
-            if bucket.buffer.numel():
-                self._group.deregister_buffer(bucket.buffer)
+        for buffer in self._registered:
+            self._group.deregister_buffer(buffer)
+        self._registered = []
 
     def _reset_backward(self) -> None:
         self._backward_started = False
@@ -257,10 +266,12 @@ class Reducer:
         if self._backward_started:
             raise RuntimeError(self._error("register_comm_hook cannot be called during backward"))
         self._hook, self._hook_state = hook, state
-        # A hook sees every gradient of its bucket in bucket.buffer().
+        # A hook sees every gradient of its bucket in bucket.buffer(). Buckets
+        # registered already (a hook set once training ran) are let go first:
+        # every rank sets its hook at the same point.
         self._deregister_buckets()
         self._build_buckets(pack_all=True)
-        self.register_buckets()
+        self._register_pending = True
         self._reset_backward()
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
@@ -279,6 +290,8 @@ class Reducer:
                 "the previous synchronised backward did not finish (it raised part-way), so "
                 "its gradient all-reduces are incomplete and this rank is out of step with "
                 "the others; recreate the process group and the model wrapper"))
+        if self._register_pending:
+            self._register_buckets()
         self._expect_hooks = True
         if self._find_unused:
             reached = _reachable_parameters(outputs)
@@ -290,6 +303,9 @@ class Reducer:
         """Reduces over ``group`` from the next backward on (a group shrunk or grown)."""
         self._group = group
         self._rank = group.rank()
+        # the registrations went with the old group
+        self._registered = []
+        self._register_pending = True
         self._failure = None
         self._expect_hooks = False
         self._reset_backward()

@@ -69,6 +69,12 @@ bool waitsOnTheGpu(const Candidate& c) {
       std::string_view(c.transport) == "cuda_ipc";
 }
 
+// CUDA tensors whose fused programs run on host threads over shared
+// memory: one host.
+bool runsOnHost(const Candidate& c) {
+  return c.engine == EngineKind::Fused && c.device == c10::kCUDA && !waitsOnTheGpu(c);
+}
+
 bool served(const Candidate& c) {
   // shm and torch's gloo
   if (c.engine == EngineKind::Hierarchical) return true;
@@ -202,12 +208,15 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                    c10::Join(" and ", deviceTypesOf(backend)), " tensors, not ", device.type());
   EngineChoice choice;
   const TransportArgs args{rank, size, options, device.is_cpu() ? -1 : device.index(), nullptr};
-  // Where the ranks run decides among the CPU candidates.
+  // Where the ranks run decides among the CPU candidates, and whether the
+  // fused programs may run on the host for CUDA tensors (shared memory).
   HostMap hosts;
-  if (device.is_cpu()) {
+  const bool onHostCandidate = std::any_of(candidates.begin(), candidates.end(),
+                                           [](const Candidate* c) { return runsOnHost(*c); });
+  if (device.is_cpu() || onHostCandidate) {
     hosts = exchangeHosts(*store, rank, size, std::chrono::milliseconds(options.timeoutMs));
-    choice.layout = hosts.describe();
   }
+  if (device.is_cpu()) choice.layout = hosts.describe();
   // Whether kernels that wait for each other could run at once.
   std::string turns;
 #ifdef PYDDP_WITH_CUDA
@@ -219,7 +228,7 @@ EngineChoice makeEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
 #endif
   for (const Candidate* c : candidates) {
     const bool last = c == candidates.back();
-    std::string why = device.is_cpu() ? whyNotHere(*c, hosts, gloo) : "";
+    std::string why = device.is_cpu() || runsOnHost(*c) ? whyNotHere(*c, hosts, gloo) : "";
     if (why.empty() && waitsOnTheGpu(*c)) why = turns;
     if (why.empty() && c->engine != EngineKind::Hierarchical && c->engine != EngineKind::Fused) {
       why = whyNotTransport(c->transport, args);

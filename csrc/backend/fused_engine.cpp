@@ -75,10 +75,9 @@ void CUDART_CB runHostLaunch(void* launch) {
   const std::unique_ptr<HostLaunch> l(static_cast<HostLaunch*>(launch));
   try {
     device::runEmulated(l->args, l->dtype, l->op);
-  } catch (const std::exception&) {
-    // No thread to run a channel on: this rank gives up, and its host
-    // reports the collective aborted.
-    device::giveUp(l->args, device::encodeError(device::kAborted, l->args.rank));
+  } catch (...) {
+    // Nothing may leave a host function. runEmulated gave up (no thread to
+    // run a channel on), and its host reports the collective failed.
   }
 }
 #endif
@@ -156,8 +155,11 @@ FusedEngine::FusedEngine(const c10::intrusive_ptr<c10d::Store>& store, int rank,
 FusedEngine::~FusedEngine() {
   shutDown(Teardown::Destroyed);
 #ifdef PYDDP_WITH_CUDA
-  if (!hostStaging_.empty()) {
-    // An aborted launch ends within a poll of the abort word.
+  if (deviceExec_) {
+    // Launches still on the stream (after an abort, or a retire that gave
+    // up) end at their next look at the abort word; the peers' registered
+    // buffers and the host staging they read go after them.
+    memory_->abort();
     QuietDeviceGuard scope(device_.index());
     cudaStreamSynchronize(deviceExec_->stream());
     for (char* buffer : hostStaging_) cudaFreeHost(buffer);
@@ -414,8 +416,13 @@ std::string FusedEngine::describeError(int64_t word, const CollectiveDesc& desc)
 void FusedEngine::runOnGrid(const device::FusedArgs& a, const CollectiveDesc& desc) {
   abortedBecause_.clear();
   std::atomic<bool> done{false};
+  std::string unstarted;  // why a channel could not start, read after the join
   std::thread runner([&] {
-    device::runEmulated(a, desc.dtype, desc.op);
+    try {
+      device::runEmulated(a, desc.dtype, desc.op);
+    } catch (const std::exception& e) {
+      unstarted = e.what();
+    }
     done.store(true, std::memory_order_release);
   });
   // As the GPU's monitor: a dead peer or the caller's interrupt ends the
@@ -434,6 +441,8 @@ void FusedEngine::runOnGrid(const device::FusedArgs& a, const CollectiveDesc& de
     if (!abortedBecause_.empty()) memory_->abort();
   }
   runner.join();
+  PYDDP_CHECK_COMM(unstarted.empty(), "rank ", rank_, ": ", toString(desc.kind), " #", desc.seq,
+                   ": a channel thread of the emulated grid could not start: ", unstarted);
   const int64_t word = memory_->error();
   // describeError's messages start with pyddp's prefix
   if (word != 0) C10_THROW_ERROR(DistBackendError, describeError(word, desc));

@@ -209,10 +209,10 @@ class FusedEngine final : public Engine {
   // A registered buffer: this rank's tensor (held: peers map its memory)
   // and every rank's copy as this rank addresses it.
   struct Registration {
-    uint64_t number;  // 1, 2, ... in registration order, alike on every rank
+    uint64_t number = 0;  // 1, 2, ... in registration order, alike on every rank
     at::Tensor tensor;
-    const char* data;
-    size_t bytes;
+    const char* data = nullptr;
+    size_t bytes = 0;
     std::array<const char*, device::kMaxRanks> peer{};
     std::vector<std::shared_ptr<const void>> maps;  // the peers' mappings
   };

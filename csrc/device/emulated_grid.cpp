@@ -16,11 +16,19 @@ void runEmulated(const FusedArgs& a, DataType dtype, RedOp op) {
       using Op = decltype(o);
       std::vector<std::thread> threads;
       threads.reserve(channels);
-      for (int c = 0; c < channels; ++c) {
-        threads.emplace_back([&a, c] {
-          int shared = 0;
-          runChannel<T, Op>(a, c, Team{0, 1}, &shared);
-        });
+      try {
+        for (int c = 0; c < channels; ++c) {
+          threads.emplace_back([&a, c] {
+            int shared = 0;
+            runChannel<T, Op>(a, c, Team{0, 1}, &shared);
+          });
+        }
+      } catch (...) {
+        // A channel that could not start: this rank gives up, so that the
+        // channels that did (and the peers) stop waiting for it.
+        giveUp(a, encodeError(kAborted, a.rank));
+        for (auto& thread : threads) thread.join();
+        throw;
       }
       for (auto& thread : threads) thread.join();
     });

@@ -13,7 +13,8 @@ namespace pyddp {
 namespace device {
 
 // Runs every channel of `a` to its end (or until it gives up: the error
-// word says why) on threads of this process, then returns.
+// word says why) on threads of this process, then returns. Throws, having
+// given up and joined the channels it started, if it cannot start one.
 void runEmulated(const FusedArgs& a, DataType dtype, RedOp op);
 
 } // namespace device

@@ -57,7 +57,7 @@ void EmulatedMemory::connect(const std::vector<std::string>& blobs) {
   for (int peer = 0; peer < worldSize_; ++peer) {
     if (peer == rank_) continue;
     const std::string why = whyNotConnect(peer, blobs[peer]);
-    PYDDP_CHECK(why.empty(), "rank ", rank_, ": ", name_, " cannot reach ", why);
+    PYDDP_CHECK_COMM(why.empty(), "rank ", rank_, ": ", name_, " cannot reach ", why);
   }
   control_.connect(readers);
   for (int peer = 0; peer < worldSize_; ++peer) {

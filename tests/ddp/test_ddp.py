@@ -345,10 +345,13 @@ def test_training_matches_single_process_and_torch_ddp(ranks, name):
                            ours[0][0]["params"]["unused.weight"])
 
 
-def _train_registered(ctx: RankContext, name: str, hook: bool) -> bytes:
+def _train_registered(ctx: RankContext, name: str, hook: bool, mappable: bool = True) -> bytes:
     """``CASES[name]`` trained with pyddp's DDP over the fused collectives on the emulated
-    grid (two-shot forced, so that every bucket reads in place), and with torch's DDP."""
+    grid (two-shot forced, so that every bucket reads in place), and with torch's DDP.
+    ``mappable=False``: the buckets lie in plain memory, which peers cannot map."""
     case = CASES[name]
+    if not mappable:
+        pyddp.reducer.registered.empty = lambda count, dtype: torch.zeros(count, dtype=dtype)
     options = pyddp.GroupOptions()
     options.algo = pyddp.Algo.TWO_SHOT
     group = pyddp.create_group(
@@ -374,6 +377,8 @@ def _train_registered(ctx: RankContext, name: str, hook: bool) -> bytes:
     launches = engine.registered_launches - start
     buffers = sum(1 for bucket in ddp.reducer._buckets if bucket.buffer.numel())
     group.shutdown()
+    if not mappable:
+        pyddp.reducer.registered.empty = pyddp.registered.empty
     torch_model = make_model(case, ctx.rank)
     torch_ddp = TorchDDP(torch_model, **case.ddp)
     theirs = train(case, torch_model, torch_ddp, ctx.rank, torch_ddp.no_sync)
@@ -394,6 +399,19 @@ def test_buckets_registered_with_fused_collectives_are_read_in_place(ranks, name
         assert_close_records(mine, theirs, f"{name} rank {rank} vs torch DDP")
         # every bucket's buffer, once per synchronised backward; nothing else
         assert buffers > 0 and launches == case.steps * buffers, (rank, launches, buffers)
+
+
+@pytest.mark.multiprocess
+def test_buckets_the_group_cannot_register_stage_and_train_alike(ranks):
+    # every rank's registration fails alike (plain memory): a warning, and the
+    # buckets stage
+    case = CASES["small-caps-adam"]
+    expected = reference(case, ranks.world_size)
+    results = [unpack(r) for r in ranks.run(_train_registered, "small-caps-adam", False, False)]
+    for rank, (mine, theirs, launches, buffers) in enumerate(results):
+        assert_close_records(mine, expected, f"rank {rank} vs single process")
+        assert_close_records(mine, theirs, f"rank {rank} vs torch DDP")
+        assert buffers > 0 and launches == 0, (rank, launches, buffers)
 
 
 @pytest.mark.multiprocess

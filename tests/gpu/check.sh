@@ -51,8 +51,9 @@
 #   mps-stop      20  the daemon this check started                         ~2
 #   nomps-tests   45  without MPS: pytest -m cuda on the cross-rank GPU    ~25
 #                     tests NOMPS_TESTS names, each bounded
-#   nomps-sweep   40  without MPS: the cuda_ipc peers, all_reduce, 4 KiB   ~20
-#                     to 1 MiB, each collective bounded (--timeout 20)
+#   nomps-sweep   40  without MPS: the cuda_ipc peers (there cuda_host),   ~20
+#                     all_reduce, 4 KiB to 1 MiB, each collective bounded
+#                     (--timeout 20)
 # About 310 s in all, 35 s under the cap; the bounds stop a stuck step early,
 # the cap keeps the whole within 6 minutes. The pass without MPS runs where
 # this check started the daemon and stopped it; where each rank has a GPU of
@@ -93,7 +94,8 @@ GRACE_SECONDS=5
 MIN_STEP_SECONDS=10
 # The main job's final accuracy (%) that the train step asks for.
 MIN_ACCURACY=90
-# The GPU tests of the pass without MPS: those whose ranks wait for each other on the GPU.
+# The GPU tests of the pass without MPS: those whose ranks wait for each other, which
+# there run the fused programs on the host (cuda_host), and the choice of it.
 NOMPS_TESTS="bitwise_identical or stream_semantics or barrier_meets or kernels_take_turns"
 MPS_PATTERN='(^|/)nvidia-cuda-mps-control( |$)'
 SWEEP_PEERS=nccl,gloo_cuda,pyddp_ipc,pyddp_ipc_registered,pyddp_ipc_two_shot,pyddp_ipc_one_shot
