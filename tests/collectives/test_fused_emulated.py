@@ -3,8 +3,9 @@ thread per channel, between real processes over shared memory, through the "emul
 backend and pyddp's one front end. Every fused protocol, op and dtype on 2, 3 and 4
 ranks, against references computed from every rank's input; counts of 0, 1, fewer than
 ranks, not divisible by ranks and of many rounds (small chunks); twice in a row; ranks
-that called different collectives; a peer that never comes, a peer that dies, and a
-group destroyed under a waiting peer.
+that called different collectives; a peer that never comes, a peer that dies (in a
+staged collective and in one that reads a registered buffer in place), and a group
+destroyed under a waiting peer.
 """
 
 from __future__ import annotations
@@ -162,21 +163,29 @@ def test_a_peer_that_never_comes_is_named_at_the_timeout():
         pool.close()
 
 
-def _dying_peer(ctx: RankContext) -> tuple:
+def _dying_peer(ctx: RankContext, registered: bool) -> tuple:
     pg = _group(ctx, "dying")
+    t = torch.ones(100_000)
+    if registered:
+        # in a registered buffer, above the one-shot sizes: read in place
+        t = pyddp.empty(100_000)
+        pg.register_buffer(t)
+        pg.all_reduce(t)
+        assert pg._engines["cpu"].registered_launches == 1
     if ctx.rank == ctx.world_size - 1:
         os._exit(3)
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError) as error:
-        pg.all_reduce(torch.ones(100))
+        pg.all_reduce(t)
     return str(error.value), time.monotonic() - start
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["staged", "registered"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_dead_peer_is_named_at_once(world):
+def test_a_dead_peer_is_named_at_once(world, registered):
     pool = Ranks(world)
     try:
-        results = pool.run_each([_dying_peer] * world, allow_dead=True)
+        results = pool.run_each([_dying_peer] * world, registered, allow_dead=True)
         assert isinstance(results[-1], Died) and results[-1].exitcode == 3
         dead = world - 1
         for message, took in results[:-1]:
