@@ -640,9 +640,8 @@ class ProcessGroup:
         """Whether this group's collectives on ``device`` tensors read registered buffers in
         place (register_buffer): its fused collectives (backend "cuda_ipc", or "auto" on one
         host, for CUDA tensors, unless they run on the host, "cuda_host"; "emulated" for CPU
-        ones). Makes the group's engine for
-        ``device`` if it has none yet, as a first collective there would: every rank asks
-        alike."""
+        ones). Makes the group's engine for ``device`` if it has none yet, as a first
+        collective there would: every rank asks alike."""
         device = torch.device(device)
         if device.type not in self._device_types:
             return False
