@@ -39,6 +39,20 @@ std::string outcome(const std::string& ok, const std::string& failed) {
   return failed.empty() ? w.putBytes("ok", ok).str() : w.putBytes("failed", failed).str();
 }
 
+// Every rank's published value of `outcomes` (outcome()'s), or the error
+// naming the first rank in rank order that could not `step`.
+std::vector<std::string> okValues(const std::vector<std::string>& outcomes, int rank,
+                                  const std::string& step) {
+  std::vector<std::string> values;
+  for (size_t peer = 0; peer < outcomes.size(); ++peer) {
+    const BlobReader r(outcomes[peer], "rank " + std::to_string(peer) + "'s bootstrap blob");
+    PYDDP_CHECK_COMM(r.has("ok"), "rank ", rank, ": rank ", peer, " could not ", step, ": ",
+                     r.bytes("failed"));
+    values.push_back(r.bytes("ok"));
+  }
+  return values;
+}
+
 std::string rankList(const std::vector<int>& ranks) {
   std::ostringstream out;
   out << (ranks.size() == 1 ? "rank " : "ranks ");
@@ -262,6 +276,14 @@ std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
       .allGather(key, mine, "join the process group");
 }
 
+std::vector<std::string> gatherOutcomes(c10d::Store& store, const std::string& key,
+                                        const std::string& ok, const std::string& failed,
+                                        int rank, int size, Ms timeout, const std::string& step) {
+  const auto outcomes =
+      Meeting(store, rank, firstRanks(size), timeout).allGather(key, outcome(ok, failed), step);
+  return okValues(outcomes, rank, step);
+}
+
 void connect(Connectable& transport, c10d::Store& store, int rank, int size, Ms timeout) {
   Meeting meeting(store, rank, firstRanks(size), timeout);
   try {
@@ -279,13 +301,7 @@ void connect(Connectable& transport, c10d::Store& store, int rank, int size, Ms 
     const auto published =
         meeting.allGather("blob", outcome(blob, why), "publish its transport's blob");
     if (ownFailure) std::rethrow_exception(ownFailure);
-    std::vector<std::string> blobs(size);
-    for (int peer = 0; peer < size; ++peer) {
-      const BlobReader r(published[peer], "rank " + std::to_string(peer) + "'s bootstrap blob");
-      PYDDP_CHECK_COMM(r.has("ok"), "rank ", rank, ": rank ", peer,
-                       " could not set up its transport: ", r.bytes("failed"));
-      blobs[peer] = r.bytes("ok");
-    }
+    const std::vector<std::string> blobs = okValues(published, rank, "set up its transport");
     // phase 2: reach every peer, and tell every peer whether we could
     std::exception_ptr ownRefusal;
     try {

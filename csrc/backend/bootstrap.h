@@ -47,6 +47,17 @@ std::vector<std::string> allGather(c10d::Store& store, const std::string& key,
                                    const std::string& mine, int rank, int size,
                                    std::chrono::milliseconds timeout);
 
+// One step that every rank of a group takes alike after it is made (a
+// buffer's registration): all-gathers each rank's outcome under `key`/<rank>,
+// what it publishes (`ok`) or why it could not (`failed`, not empty), and
+// returns every rank's ok. Throws DistBackendError on every rank alike,
+// naming the first rank in rank order that could not `step`, or a rank that
+// did not `step` within `timeout`; an interrupt ends the wait.
+std::vector<std::string> gatherOutcomes(c10d::Store& store, const std::string& key,
+                                        const std::string& ok, const std::string& failed,
+                                        int rank, int size, std::chrono::milliseconds timeout,
+                                        const std::string& step);
+
 // Agrees on a group before it is made (new_group): each rank of `ranks`
 // (numbered in a group they all belong to; `rank` is this one) publishes
 // `request`, what it asked for (the members and the size of the group they

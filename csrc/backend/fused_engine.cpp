@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <string_view>
 #include <thread>
 
 #include "algorithms/collectives.h"
@@ -216,39 +215,24 @@ int FusedEngine::channelsFor(size_t bytes) const {
 
 namespace {
 
-// Every rank's outcome of one step of a registration ("" where it went
-// well): throws, on every rank alike, the first failure in rank order.
-void agreeOn(const std::vector<std::string>& outcomes, const char* step) {
-  for (size_t r = 0; r < outcomes.size(); ++r) {
-    PYDDP_CHECK_COMM(outcomes[r].empty(), "register_buffer failed: rank ", r, " could not ",
-                     step, ": ", outcomes[r]);
-  }
-}
-
-// `f()`'s error message without pyddp's prefix or a C++ backtrace, "" if
-// it returned.
+// `f()`'s error message as part of another pyddp error; "" if it returned.
 template <typename F>
 std::string failureOf(F&& f) {
-  std::string why;
   try {
     f();
-    return why;
-  } catch (const c10::Error& e) {
-    why = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    why = e.what();
+    return bare(messageOf(e));
   }
-  constexpr std::string_view kPrefix = "pyddp: ";
-  return why.compare(0, kPrefix.size(), kPrefix) == 0 ? why.substr(kPrefix.size()) : why;
+  return "";
 }
 
 } // namespace
 
-// Registration protocol, under the group's store (bootstrap::allGather,
+// Registration protocol, under the group's store (bootstrap::gatherOutcomes,
 // bounded by the group's timeout), registration n alike on every rank:
 //   registered/<n>/region  each rank's byte count and its exportRegion()
-//                          blob, or why it could not export its tensor;
-//   registered/<n>/mapped  "" once it mapped every peer's, else why not.
+//                          blob, or why it could not register its tensor;
+//   registered/<n>/mapped  once it mapped every peer's, or why not.
 // A rank acts on a step only once every rank's outcome of it is in, so all
 // keep the registration or all fail, naming the same rank.
 void FusedEngine::registerBuffer(const at::Tensor& tensor) {
@@ -285,19 +269,13 @@ void FusedEngine::registerBuffer(const at::Tensor& tensor) {
   }
   const Ms timeout(options_.timeoutMs);
   const std::string key = "registered/" + std::to_string(reg.number);
-  const std::vector<std::string> regions = bootstrap::allGather(
+  const std::vector<std::string> regions = bootstrap::gatherOutcomes(
       groupStore(), key + "/region",
-      BlobWriter().put("bytes", reg.bytes).putBytes("failure", exportFailure)
-          .putBytes("region", region).str(),
-      rank_, size_, timeout);
+      BlobWriter().put("bytes", reg.bytes).putBytes("region", region).str(), exportFailure,
+      rank_, size_, timeout, "register its tensor");
   std::vector<BlobReader> blobs;
-  std::vector<std::string> failures;
   for (int r = 0; r < size_; ++r) {
     blobs.emplace_back(regions[r], "rank " + std::to_string(r) + "'s registered tensor");
-    failures.push_back(blobs[r].bytes("failure"));
-  }
-  agreeOn(failures, "register its tensor");
-  for (int r = 0; r < size_; ++r) {
     PYDDP_CHECK_VALUE(blobs[r].get<size_t>("bytes") == reg.bytes, "register_buffer: rank ",
                       rank_, " registered ", reg.bytes, " bytes, rank ", r, " ",
                       blobs[r].get<size_t>("bytes"), "; every rank registers as many");
@@ -313,8 +291,8 @@ void FusedEngine::registerBuffer(const at::Tensor& tensor) {
       reg.maps.push_back(std::move(mapped.keep));
     }
   });
-  agreeOn(bootstrap::allGather(groupStore(), key + "/mapped", mapFailure, rank_, size_, timeout),
-          "map a peer's tensor");
+  bootstrap::gatherOutcomes(groupStore(), key + "/mapped", "", mapFailure, rank_, size_, timeout,
+                            "map a peer's tensor");
   const std::lock_guard<std::mutex> lock(registrationsMutex_);
   registrations_.push_back(std::move(reg));
 }
